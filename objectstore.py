@@ -1,0 +1,237 @@
+"""The few storage verbs the stream store needs, over any fsspec filesystem.
+
+Every object the store writes is created exactly once and never rewritten, so the
+only write primitive that must be exact is "create if absent". fsspec offers it
+(`pipe_file(mode="create")`) but on local disk it is check-then-write, not atomic,
+and fsspec never fsyncs. Local disk therefore writes a temporary file, fsyncs it,
+and `os.link`s it into place: the link is the atomic create-only step, and a reader
+can never see a half-written object. Remote filesystems (S3) use the conditional
+PUT that fsspec sends, and run in gevent's thread pool because s3fs's synchronous
+calls fail on a gevent-patched thread (see shared/storage-facts.md).
+
+Backend errors become Python built-ins here: `FileNotFoundError` for a missing
+object, `FileExistsError` when a create-only write loses, `StorageUnavailable` for
+anything else the backend raises.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+T = TypeVar("T")
+
+READ_CHUNK_BYTES = 256 * 1024
+
+
+class StorageUnavailable(Exception):
+    """The backend failed in a way a retry may cure (network, 5xx, disk error)."""
+
+
+def _run_in_threadpool(function: Callable[..., T], *args: object) -> T:
+    """Run a blocking backend call off the gevent hub's thread."""
+    import gevent
+
+    return gevent.get_hub().threadpool.apply(function, args)
+
+
+class ObjectStore:
+    """Create-only objects under one root of an fsspec filesystem.
+
+    Keys are '/'-separated relative names; the store never lets a key leave the root
+    because the stream store builds every key from encoded names it made itself.
+    """
+
+    def __init__(self, url: str) -> None:
+        filesystem, root = fsspec.core.url_to_fs(url)
+        self.filesystem = filesystem
+        self.is_local = isinstance(filesystem, LocalFileSystem)
+        self.root = root.rstrip("/")
+        if self.is_local:
+            self.root = os.path.abspath(self.root)
+            os.makedirs(self.root, exist_ok=True)
+        self._call: Callable[..., object] = (
+            (lambda function, *args: function(*args)) if self.is_local else _run_in_threadpool
+        )
+
+    def path(self, key: str) -> str:
+        return f"{self.root}/{key}"
+
+    def _guarded(self, function: Callable[..., T], *args: object) -> T:
+        try:
+            return self._call(function, *args)  # type: ignore[return-value]
+        except (FileNotFoundError, FileExistsError):
+            raise
+        except OSError as error:
+            raise StorageUnavailable(str(error)) from error
+        except Exception as error:  # the backend's own exception types (botocore, aiohttp)
+            raise StorageUnavailable(f"{type(error).__name__}: {error}") from error
+
+    # -- writes ---------------------------------------------------------------------
+
+    def create(self, key: str, data: bytes) -> None:
+        """Write a new object; `FileExistsError` if the key already exists.
+
+        When this returns the object is durable: fsynced with its directory on local
+        disk, acknowledged by the object store otherwise.
+        """
+        if self.is_local:
+            self._guarded(self._create_local, self.path(key), data)
+        else:
+            self._guarded(self.filesystem.pipe_file, self.path(key), data, None, "create")
+
+    @staticmethod
+    def _create_local(path: str, data: bytes) -> None:
+        directory = os.path.dirname(path)
+        _make_durable_directories(directory)
+        temporary = f"{directory}/.tmp-{uuid.uuid4().hex}"
+        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            _write_all(descriptor, data)
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+        try:
+            # The link, not the write, publishes the object: readers see all or nothing.
+            os.link(temporary, path)
+        finally:
+            os.unlink(temporary)
+        _fsync_directory(directory)
+
+    def delete_tree(self, prefix: str) -> None:
+        """Remove every object under `prefix`; missing objects are not an error."""
+        try:
+            self._guarded(self.filesystem.rm, self.path(prefix), True)
+        except FileNotFoundError:
+            pass
+
+    def delete(self, key: str) -> None:
+        """Remove one object; durable on local disk when this returns."""
+        if self.is_local:
+            self._guarded(_unlink_durably, self.path(key))
+        else:
+            self._guarded(self.filesystem.rm_file, self.path(key))
+
+    def touch(self, key: str) -> None:
+        """Record "used now" on a marker object (sliding TTL), creating it if needed."""
+        if self.is_local:
+            self._guarded(_touch_local, self.path(key))
+        else:
+            self._guarded(self.filesystem.pipe_file, self.path(key), b"")
+
+    # -- reads ----------------------------------------------------------------------
+
+    def read(self, key: str, start: int = 0, end: int | None = None) -> bytes:
+        """Bytes [start, end) of an object; `FileNotFoundError` if it does not exist."""
+        if self.is_local:
+            return self._guarded(_read_local, self.path(key), start, end)
+        return self._guarded(self.filesystem.cat_file, self.path(key), start, end)
+
+    def iter_range(self, key: str, start: int, length: int) -> Iterator[bytes]:
+        """Stream `length` bytes from `start` in bounded chunks (memory stays flat)."""
+        position, remaining = start, length
+        while remaining > 0:
+            size = min(READ_CHUNK_BYTES, remaining)
+            chunk = self.read(key, position, position + size)
+            if not chunk:
+                raise StorageUnavailable(f"object {key} is shorter than its index says")
+            yield chunk
+            position += len(chunk)
+            remaining -= len(chunk)
+
+    def modified(self, key: str) -> float | None:
+        """Modification time in seconds since the epoch, or None if absent."""
+        if self.is_local:
+            try:
+                return os.stat(self.path(key)).st_mtime
+            except FileNotFoundError:
+                return None
+        try:
+            info = self._guarded(self.filesystem.info, self.path(key))
+        except FileNotFoundError:
+            return None
+        modified = info.get("LastModified") or info.get("mtime")
+        return modified.timestamp() if hasattr(modified, "timestamp") else modified
+
+    def identity(self, key: str) -> object | None:
+        """A token that changes whenever the object at `key` is replaced; None if absent."""
+        if self.is_local:
+            try:
+                status = os.stat(self.path(key))
+            except FileNotFoundError:
+                return None
+            return (status.st_ino, status.st_mtime_ns)
+        try:
+            info = self._guarded(self.filesystem.info, self.path(key), refresh=True)
+        except FileNotFoundError:
+            return None
+        return info.get("ETag") or info.get("mtime")
+
+    def exists(self, key: str) -> bool:
+        if self.is_local:
+            return os.path.exists(self.path(key))
+        return self.identity(key) is not None
+
+    def list(self, prefix: str) -> list[str]:
+        """Names directly under `prefix` (no recursion); empty if there are none."""
+        if self.is_local:
+            try:
+                return [name for name in os.listdir(self.path(prefix)) if not name.startswith(".")]
+            except (FileNotFoundError, NotADirectoryError):
+                return []
+        try:
+            entries = self._guarded(self.filesystem.ls, self.path(prefix), False, refresh=True)
+        except FileNotFoundError:
+            return []
+        return [entry.rstrip("/").rsplit("/", 1)[-1] for entry in entries]
+
+
+def _write_all(descriptor: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(descriptor, view) :]
+
+
+def _read_local(path: str, start: int, end: int | None) -> bytes:
+    with open(path, "rb") as file:
+        file.seek(start)
+        return file.read() if end is None else file.read(end - start)
+
+
+def _touch_local(path: str) -> None:
+    try:
+        os.utime(path)
+    except FileNotFoundError:
+        _make_durable_directories(os.path.dirname(path))
+        open(path, "ab").close()
+
+
+def _unlink_durably(path: str) -> None:
+    os.unlink(path)
+    _fsync_directory(os.path.dirname(path))
+
+
+def _make_durable_directories(directory: str) -> None:
+    """Create missing directories and fsync each parent so the new entries survive a crash."""
+    if os.path.isdir(directory):
+        return
+    parent = os.path.dirname(directory)
+    _make_durable_directories(parent)
+    try:
+        os.mkdir(directory)
+    except FileExistsError:
+        return
+    _fsync_directory(parent)
+
+
+def _fsync_directory(directory: str) -> None:
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)

@@ -1,0 +1,590 @@
+"""PicoMQ's HTTP layer: the Durable Streams protocol over Flask.
+
+Each view parses and validates its request (400 with a JSON message, never a 500),
+makes one call on the stream store, and shapes the response. Nothing here touches
+paths, fsspec or byte layouts; store outcomes become status codes in
+`STATUS_OF_ERROR`. Live reads (long-poll, SSE) always end by a deadline so a
+graceful shutdown never has to kill one.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import random
+import re
+import time
+from collections.abc import Iterator
+from datetime import datetime
+
+import orjson
+from flask import Flask, request
+from flask import Response as FlaskResponse
+from werkzeug.exceptions import HTTPException
+
+from objectstore import ObjectStore
+from settings import Settings
+from storage import (
+    AppendRequest,
+    CreateRequest,
+    InvalidRequest,
+    Payload,
+    Producer,
+    ProducerFenced,
+    ProducerGap,
+    ReadResult,
+    StorageUnavailable,
+    StoreError,
+    StoreSettings,
+    StreamClosed,
+    StreamConflict,
+    StreamGone,
+    StreamInfo,
+    StreamNotFound,
+    StreamStore,
+    is_json_type,
+)
+
+log = logging.getLogger("picomq")
+
+STREAM_PREFIX = "/v1/stream/"
+MAX_PATH_BYTES = 1024
+MAX_PATH_DEPTH = 32
+MAX_SAFE_INTEGER = 2**53 - 1
+DEFAULT_CONTENT_TYPE = "application/octet-stream"
+CURSOR_EPOCH = datetime.fromisoformat("2024-10-09T00:00:00+00:00").timestamp()
+CURSOR_INTERVAL_SECONDS = 20
+RETRY_AFTER_SECONDS = "1"
+
+NEXT_OFFSET = "Stream-Next-Offset"
+UP_TO_DATE = "Stream-Up-To-Date"
+CLOSED = "Stream-Closed"
+CURSOR = "Stream-Cursor"
+TTL = "Stream-TTL"
+EXPIRES_AT = "Stream-Expires-At"
+STREAM_SEQ = "Stream-Seq"
+FORKED_FROM = "Stream-Forked-From"
+FORK_OFFSET = "Stream-Fork-Offset"
+FORK_SUB_OFFSET = "Stream-Fork-Sub-Offset"
+PRODUCER_ID = "Producer-Id"
+PRODUCER_EPOCH = "Producer-Epoch"
+PRODUCER_SEQ = "Producer-Seq"
+PRODUCER_EXPECTED_SEQ = "Producer-Expected-Seq"
+PRODUCER_RECEIVED_SEQ = "Producer-Received-Seq"
+SSE_DATA_ENCODING = "Stream-SSE-Data-Encoding"
+
+PROTOCOL_HEADERS = (
+    NEXT_OFFSET, UP_TO_DATE, CLOSED, CURSOR, TTL, EXPIRES_AT, STREAM_SEQ, FORKED_FROM,
+    FORK_OFFSET, FORK_SUB_OFFSET, PRODUCER_ID, PRODUCER_EPOCH, PRODUCER_SEQ,
+    PRODUCER_EXPECTED_SEQ, PRODUCER_RECEIVED_SEQ, SSE_DATA_ENCODING, "ETag", "Location",
+    "Content-Type", "If-None-Match", "Authorization", "Retry-After",
+)  # fmt: skip
+CORS_HEADERS = {
+    "Access-Control-Allow-Origin": "*",
+    "Access-Control-Allow-Methods": "GET, POST, PUT, DELETE, HEAD, OPTIONS",
+    "Access-Control-Expose-Headers": ", ".join(PROTOCOL_HEADERS),
+}
+SECURITY_HEADERS = {
+    "X-Content-Type-Options": "nosniff",
+    "Cross-Origin-Resource-Policy": "cross-origin",
+}
+CACHEABLE = "public, max-age=60, stale-while-revalidate=300"
+NO_STORE = "no-store"
+
+OFFSET_PATTERN = re.compile(r"0{16}_(\d{16})")
+DECIMAL_PATTERN = re.compile(r"0|[1-9][0-9]*")
+CONTENT_TYPE_PATTERN = re.compile(r"[\w.+-]+/[\w.+-]+\s*(;.*)?", re.ASCII)
+FORBIDDEN_PATH_CHARACTERS = re.compile(r"[\x00-\x1f\x7f\\]")
+
+STATUS_OF_ERROR: dict[type[Exception], int] = {
+    InvalidRequest: 400,
+    ProducerFenced: 403,
+    StreamNotFound: 404,
+    StreamConflict: 409,
+    StreamClosed: 409,
+    ProducerGap: 409,
+    StreamGone: 410,
+    StorageUnavailable: 503,
+}
+
+
+class Response(FlaskResponse):
+    """No made-up Content-Type on empty answers: 204s and HEADs carry only what we set."""
+
+    default_mimetype = None
+
+
+class BadRequest(Exception):
+    """Input the protocol rejects before it reaches the store (400)."""
+
+
+# -- parsing and formatting at the HTTP edge ----------------------------------------
+
+
+def format_offset(position: int) -> str:
+    return f"{0:016d}_{position:016d}"
+
+
+def parse_offset(text: str) -> int:
+    match = OFFSET_PATTERN.fullmatch(text)
+    if match is None:
+        raise BadRequest(f"malformed offset {text!r}")
+    return int(match.group(1))
+
+
+def parse_stream_path(path: str) -> str:
+    """Accept only paths that cannot escape the namespace or the data directory."""
+    segments = path.split("/")
+    if (
+        len(path.encode()) > MAX_PATH_BYTES
+        or len(segments) > MAX_PATH_DEPTH
+        or FORBIDDEN_PATH_CHARACTERS.search(path)
+        or any(segment in ("", ".", "..") for segment in segments)
+    ):
+        raise BadRequest(
+            f"invalid stream path: at most {MAX_PATH_BYTES} bytes and {MAX_PATH_DEPTH} segments,"
+            " no empty, '.' or '..' segments, no control characters or backslashes"
+        )
+    return path
+
+
+def parse_decimal(name: str, text: str, maximum: int = MAX_SAFE_INTEGER) -> int:
+    if DECIMAL_PATTERN.fullmatch(text) is None or int(text) > maximum:
+        raise BadRequest(f"{name} must be a non-negative decimal integer without leading zeros")
+    return int(text)
+
+
+def parse_flag(name: str) -> bool:
+    """Protocol flags count only when their value is 'true'; anything else is absent."""
+    return request.headers.get(name, "").strip().lower() == "true"
+
+
+def parse_expires_at(text: str) -> datetime:
+    try:
+        moment = datetime.fromisoformat(text.strip())
+    except ValueError as error:
+        raise BadRequest(f"{EXPIRES_AT} must be an RFC 3339 timestamp") from error
+    if moment.tzinfo is None:
+        raise BadRequest(f"{EXPIRES_AT} must include a time zone")
+    return moment
+
+
+def parse_content_type(required: bool) -> str | None:
+    content_type = request.headers.get("Content-Type")
+    if content_type is None or not content_type.strip():
+        if required:
+            raise BadRequest("Content-Type is required with a body")
+        return None
+    if CONTENT_TYPE_PATTERN.fullmatch(content_type.strip()) is None:
+        raise BadRequest(f"malformed Content-Type {content_type!r}")
+    return content_type.strip()
+
+
+def parse_json_messages(body: bytes, *, allow_empty: bool) -> list[bytes]:
+    """One message per top-level array item (one level of flattening), or the value."""
+    try:
+        value = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        value = _parse_json_strictly(body)
+    items = value if isinstance(value, list) else [value]
+    if not items and not allow_empty:
+        raise BadRequest("an empty JSON array appends nothing")
+    return [_dump_json(item) for item in items]
+
+
+def _parse_json_strictly(body: bytes) -> object:
+    """Stdlib fallback for what orjson refuses but JSON allows (integers over 64 bits)."""
+
+    def reject_constant(name: str) -> object:
+        raise ValueError(f"{name} is not JSON")
+
+    try:
+        return json.loads(body, parse_constant=reject_constant)
+    except (ValueError, RecursionError) as error:
+        raise BadRequest("body is not valid JSON") from error
+
+
+def _dump_json(value: object) -> bytes:
+    try:
+        return orjson.dumps(value)
+    except TypeError:
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def parse_producer() -> Producer | None:
+    names = (PRODUCER_ID, PRODUCER_EPOCH, PRODUCER_SEQ)
+    values = [request.headers.get(name) for name in names]
+    if all(value is None for value in values):
+        return None
+    if any(value is None for value in values):
+        raise BadRequest("Producer-Id, Producer-Epoch and Producer-Seq go together")
+    producer_id, epoch, seq = values
+    if not producer_id.strip():
+        raise BadRequest("Producer-Id must not be empty")
+    return Producer(
+        producer_id, parse_decimal(PRODUCER_EPOCH, epoch), parse_decimal(PRODUCER_SEQ, seq)
+    )
+
+
+def parse_read_offset() -> str | None:
+    """The raw `offset` query value: None when absent; one value only, never empty."""
+    values = request.args.getlist("offset")
+    if len(values) > 1:
+        raise BadRequest("give offset once")
+    if not values:
+        return None
+    if values[0] in ("-1", "now"):
+        return values[0]
+    parse_offset(values[0])
+    return values[0]
+
+
+def next_cursor(client_cursor: str | None) -> str:
+    """The protocol's cache-collapsing cursor: an interval number that never repeats back."""
+    interval = int((time.time() - CURSOR_EPOCH) // CURSOR_INTERVAL_SECONDS)
+    if client_cursor is not None and client_cursor.isdigit() and int(client_cursor) >= interval:
+        jitter_seconds = random.randint(1, 3600)
+        interval = int(client_cursor) + max(1, jitter_seconds // CURSOR_INTERVAL_SECONDS)
+    return str(interval)
+
+
+def etag_of(result: ReadResult) -> str:
+    closed = ":c" if result.info.closed and result.end == result.info.tail else ""
+    return f'"{result.info.incarnation}:{result.start}:{result.end}{closed}"'
+
+
+def stream_headers(info: StreamInfo, tail: int | None = None) -> dict[str, str]:
+    """Content-Type and Stream-Next-Offset, plus Stream-Closed once the reader is at the end."""
+    position = info.tail if tail is None else tail
+    headers = {"Content-Type": info.content_type, NEXT_OFFSET: format_offset(position)}
+    if info.closed and position == info.tail:
+        headers[CLOSED] = "true"
+    return headers
+
+
+def error_response(
+    status: int, code: str, message: str, headers: dict[str, str] | None = None
+) -> Response:
+    body = orjson.dumps({"error": {"code": code, "message": message}})
+    return Response(body, status, headers or {}, mimetype="application/json")
+
+
+def empty_body(info: StreamInfo) -> bytes:
+    return b"[]" if is_json_type(info.content_type) else b""
+
+
+# -- the app ----------------------------------------------------------------------
+
+
+def create_app(settings: Settings, store: StreamStore | None = None) -> Flask:
+    app = Flask(__name__)
+    app.response_class = Response
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_request_bytes
+    app.url_map.merge_slashes = False
+    app.url_map.strict_slashes = False
+    store = store or StreamStore(
+        ObjectStore(settings.storage_url),
+        StoreSettings(max_read_bytes=settings.max_read_bytes, poll_interval=settings.poll_interval),
+    )
+    app.extensions["picomq.store"] = store
+    views = StreamViews(store, settings)
+
+    app.add_url_rule(
+        f"{STREAM_PREFIX}<path:path>",
+        "stream",
+        views.dispatch,
+        methods=["GET", "HEAD", "PUT", "POST", "DELETE", "OPTIONS"],
+    )
+
+    @app.after_request
+    def add_common_headers(response: Response) -> Response:
+        response.headers.update(SECURITY_HEADERS)
+        response.headers.update(CORS_HEADERS)
+        return response
+
+    @app.errorhandler(HTTPException)
+    def http_error(error: HTTPException) -> Response:
+        code = (error.name or "error").lower().replace(" ", "_")
+        return error_response(error.code or 500, code, error.description or error.name)
+
+    @app.errorhandler(Exception)
+    def unexpected_error(error: Exception) -> Response:
+        log.exception("unexpected error on %s %s", request.method, request.path)
+        return error_response(500, "internal_error", "internal server error")
+
+    return app
+
+
+class StreamViews:
+    """One method per protocol operation on `/v1/stream/<path>`."""
+
+    def __init__(self, store: StreamStore, settings: Settings) -> None:
+        self.store = store
+        self.settings = settings
+
+    def dispatch(self, path: str) -> Response:
+        handlers = {
+            "GET": self.read,
+            "HEAD": self.head,
+            "PUT": self.create,
+            "POST": self.append,
+            "DELETE": self.delete,
+            "OPTIONS": self.preflight,
+        }
+        try:
+            return handlers[request.method](parse_stream_path(path))
+        except BadRequest as error:
+            return error_response(400, "bad_request", str(error))
+        except StoreError as error:
+            return self.store_error(error)
+        except StorageUnavailable as error:
+            log.warning("storage unavailable: %s", error)
+            return error_response(
+                503, "storage_unavailable", "storage is unavailable; retry",
+                {"Retry-After": RETRY_AFTER_SECONDS},
+            )  # fmt: skip
+
+    @staticmethod
+    def store_error(error: StoreError) -> Response:
+        headers: dict[str, str] = {}
+        if isinstance(error, StreamClosed):
+            headers = {CLOSED: "true", NEXT_OFFSET: format_offset(error.tail)}
+        elif isinstance(error, ProducerFenced):
+            headers = {PRODUCER_EPOCH: str(error.current_epoch)}
+        elif isinstance(error, ProducerGap):
+            headers = {
+                PRODUCER_EXPECTED_SEQ: str(error.expected),
+                PRODUCER_RECEIVED_SEQ: str(error.received),
+            }
+        status = STATUS_OF_ERROR[type(error)]
+        code = re.sub(r"(?<!^)(?=[A-Z])", "_", type(error).__name__).lower()
+        return error_response(status, code, str(error), headers)
+
+    # -- PUT ------------------------------------------------------------------------
+
+    def create(self, path: str) -> Response:
+        create_request = self.parse_create()
+        created, info = self.store.create(path, create_request)
+        headers = stream_headers(info)
+        if created:
+            headers["Location"] = request.base_url
+        return Response(status=201 if created else 200, headers=headers)
+
+    def parse_create(self) -> CreateRequest:
+        headers = request.headers
+        ttl_text, expires_text = headers.get(TTL), headers.get(EXPIRES_AT)
+        if ttl_text is not None and expires_text is not None:
+            raise BadRequest(f"give {TTL} or {EXPIRES_AT}, not both")
+        fork_source = headers.get(FORKED_FROM)
+        fork_offset = headers.get(FORK_OFFSET)
+        sub_offset = headers.get(FORK_SUB_OFFSET)
+        if fork_source is None and (fork_offset is not None or sub_offset is not None):
+            raise BadRequest(f"{FORK_OFFSET} and {FORK_SUB_OFFSET} need {FORKED_FROM}")
+        content_type = parse_content_type(required=False)
+        if fork_source is None:
+            content_type = content_type or DEFAULT_CONTENT_TYPE
+        body = request.get_data()
+        payload = None
+        if body:
+            if content_type is None:
+                raise BadRequest("Content-Type is required with a body")
+            payload = self.parse_payload(content_type, body, allow_empty=True)
+        return CreateRequest(
+            content_type=content_type or "",
+            ttl=parse_decimal(TTL, ttl_text.strip()) if ttl_text is not None else None,
+            expires_at=parse_expires_at(expires_text) if expires_text is not None else None,
+            closed=parse_flag(CLOSED),
+            payload=payload,
+            fork_source=parse_fork_source(fork_source) if fork_source is not None else None,
+            fork_offset=parse_offset(fork_offset.strip()) if fork_offset is not None else None,
+            fork_sub_offset=(
+                parse_decimal(FORK_SUB_OFFSET, sub_offset.strip()) if sub_offset is not None else 0
+            ),
+        )
+
+    @staticmethod
+    def parse_payload(content_type: str, body: bytes, *, allow_empty: bool) -> Payload:
+        if is_json_type(content_type):
+            return Payload.from_messages(parse_json_messages(body, allow_empty=allow_empty))
+        return Payload(body)
+
+    # -- POST -----------------------------------------------------------------------
+
+    def append(self, path: str) -> Response:
+        close = parse_flag(CLOSED)
+        body = request.get_data()
+        if not body and not close:
+            raise BadRequest("an append needs a body (or Stream-Closed: true to close)")
+        payload = None
+        content_type = parse_content_type(required=bool(body))
+        if body:
+            try:
+                payload = self.parse_payload(content_type, body, allow_empty=False)
+            except BadRequest:
+                self.raise_conflict_before_bad_body(path, content_type)
+                raise
+        producer = parse_producer()
+        stream_seq = request.headers.get(STREAM_SEQ)
+        result = self.store.append(
+            path, AppendRequest(content_type, payload, close, producer, stream_seq)
+        )
+        info = result.info
+        headers = {NEXT_OFFSET: format_offset(info.tail)}
+        if info.closed:
+            headers[CLOSED] = "true"
+        if result.producer is not None:
+            headers[PRODUCER_EPOCH] = str(result.producer.epoch)
+            headers[PRODUCER_SEQ] = str(result.producer.seq)
+            if result.duplicate:
+                del headers[NEXT_OFFSET]
+        status = (
+            200 if producer is not None and payload is not None and not result.duplicate else 204
+        )
+        return Response(status=status, headers=headers)
+
+    def raise_conflict_before_bad_body(self, path: str, content_type: str | None) -> None:
+        """A closed stream or a type mismatch outranks a malformed body (409 before 400)."""
+        info = self.store.head(path)
+        if info.closed:
+            raise StreamClosed(info.tail)
+        if not is_json_type(info.content_type) or not is_json_type(content_type or ""):
+            raise StreamConflict("Content-Type does not match the stream's content type")
+
+    # -- HEAD, DELETE, OPTIONS --------------------------------------------------------
+
+    def head(self, path: str) -> Response:
+        info = self.store.head(path)
+        headers = stream_headers(info)
+        headers["Cache-Control"] = NO_STORE
+        if info.ttl is not None:
+            headers[TTL] = str(info.ttl)
+        if info.expires_at is not None:
+            headers[EXPIRES_AT] = info.expires_at
+        return Response(status=200, headers=headers)
+
+    def delete(self, path: str) -> Response:
+        self.store.delete(path)
+        return Response(status=204)
+
+    @staticmethod
+    def preflight(path: str) -> Response:
+        requested = request.headers.get("Access-Control-Request-Headers", "")
+        allowed = ", ".join(filter(None, (requested, *PROTOCOL_HEADERS)))
+        headers = {"Access-Control-Allow-Headers": allowed, "Access-Control-Max-Age": "86400"}
+        return Response(status=204, headers=headers)
+
+    # -- GET --------------------------------------------------------------------------
+
+    def read(self, path: str) -> Response:
+        live = request.args.get("live")
+        offset_text = parse_read_offset()
+        if live is None:
+            return self.catch_up(path, offset_text)
+        if offset_text is None:
+            raise BadRequest("live reads need an offset")
+        if live == "long-poll":
+            return self.long_poll(path, offset_text)
+        if live == "sse":
+            return self.sse(path, offset_text)
+        raise BadRequest("live must be 'long-poll' or 'sse'")
+
+    def resolve_offset(self, path: str, offset_text: str | None) -> int | None:
+        """-1 (or none) is the start; 'now' is the current tail, read at request time."""
+        if offset_text in (None, "-1"):
+            return None
+        if offset_text == "now":
+            return self.store.touch(path).tail
+        return parse_offset(offset_text)
+
+    def catch_up(self, path: str, offset_text: str | None) -> Response:
+        if offset_text == "now":
+            info = self.store.touch(path)
+            headers = stream_headers(info)
+            headers.update({UP_TO_DATE: "true", "Cache-Control": NO_STORE})
+            return Response(empty_body(info), 200, headers)
+        result = self.store.read(path, self.resolve_offset(path, offset_text))
+        return self.read_response(result)
+
+    def read_response(self, result: ReadResult, extra: dict[str, str] | None = None) -> Response:
+        info = result.info
+        headers = stream_headers(info, result.end)
+        etag = etag_of(result)
+        at_open_tail = result.start == result.end and not info.closed
+        headers.update({"ETag": etag, "Cache-Control": NO_STORE if at_open_tail else CACHEABLE})
+        if result.end == info.tail:
+            headers[UP_TO_DATE] = "true"
+        headers.update(extra or {})
+        if etag in request.headers.get("If-None-Match", ""):
+            return Response(status=304, headers=headers)
+        return Response(result.chunks, 200, headers)
+
+    def long_poll(self, path: str, offset_text: str) -> Response:
+        offset = self.resolve_offset(path, offset_text)
+        position = offset or 0
+        cursor = {CURSOR: next_cursor(request.args.get("cursor"))}
+        info = self.store.wait(path, position, self.settings.long_poll_timeout)
+        if info.tail > position:
+            return self.read_response(self.store.read(path, position), cursor)
+        headers = stream_headers(info)
+        headers.update({UP_TO_DATE: "true", "Cache-Control": NO_STORE, **cursor})
+        return Response(status=204, headers=headers)
+
+    def sse(self, path: str, offset_text: str) -> Response:
+        offset = self.resolve_offset(path, offset_text) or 0
+        info = self.store.head(path)
+        headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        if not is_json_type(info.content_type) and not info.content_type.startswith("text/"):
+            headers[SSE_DATA_ENCODING] = "base64"
+        cursor = request.args.get("cursor")
+        events = self.sse_events(path, offset, cursor, SSE_DATA_ENCODING in headers)
+        return Response(events, 200, headers)
+
+    def sse_events(
+        self, path: str, offset: int, cursor: str | None, base64_data: bool
+    ) -> Iterator[bytes]:
+        """Data events each followed by a control event, until closed or the deadline."""
+        deadline = time.monotonic() + self.settings.sse_max_duration
+        timeout = 0.0  # the first pass answers at once: history, or where the tail is
+        try:
+            while True:
+                info = self.store.wait(path, offset, timeout)
+                timeout = min(self.settings.long_poll_timeout, deadline - time.monotonic())
+                data_event = b""
+                if info.tail > offset:
+                    result = self.store.read(path, offset)
+                    data_event = format_data_event(b"".join(result.chunks), base64_data)
+                    offset, info = result.end, result.info
+                cursor = next_cursor(cursor)
+                # One write per pair: a reader never sees a data event without its control.
+                yield data_event + format_control_event(info, offset, cursor)
+                if (info.closed and offset == info.tail) or time.monotonic() >= deadline:
+                    return
+        except (StoreError, StorageUnavailable) as error:
+            log.info("SSE on %s ended: %s", path, error)
+
+
+def parse_fork_source(text: str) -> str:
+    """The suite sends the source as the stream's URL path; accept that or a bare path."""
+    source = text.strip()
+    if source.startswith(STREAM_PREFIX):
+        source = source[len(STREAM_PREFIX) :]
+    return parse_stream_path(source)
+
+
+def format_data_event(data: bytes, base64_data: bool) -> bytes:
+    text = base64.b64encode(data) if base64_data else data
+    lines = text.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
+    return b"event: data\n" + b"".join(b"data:" + line + b"\n" for line in lines) + b"\n"
+
+
+def format_control_event(info: StreamInfo, offset: int, cursor: str) -> bytes:
+    control: dict[str, object] = {"streamNextOffset": format_offset(offset)}
+    at_tail = offset == info.tail
+    if info.closed and at_tail:
+        control["streamClosed"] = True
+    else:
+        control["streamCursor"] = cursor
+    if at_tail:
+        control["upToDate"] = True
+    return b"event: control\ndata:" + orjson.dumps(control) + b"\n\n"

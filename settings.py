@@ -1,0 +1,111 @@
+"""Every setting PicoMQ reads, declared once: name, default, validation and meaning.
+
+Settings come from `PICOMQ_*` environment variables and are validated at start, so
+a typo fails the boot with a message instead of a request with a 500. The README's
+settings table is checked against `SETTINGS` by the tests.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+
+
+class SettingsError(ValueError):
+    """A PICOMQ_* variable has a value PicoMQ cannot use."""
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise ValueError("must be a positive number")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise ValueError("must be a positive whole number")
+    return value
+
+
+def _storage_url(text: str) -> str:
+    if not text.strip():
+        raise ValueError("must not be empty")
+    return text.strip()
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    default: str
+    parse: Callable[[str], object]
+    doc: str
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting(
+        "storage_url",
+        "./data",
+        _storage_url,
+        "Where streams are stored: a local directory or an fsspec URL such as s3://bucket/prefix.",
+    ),
+    Setting(
+        "long_poll_timeout",
+        "20",
+        _positive_float,
+        "Seconds a long-poll read waits for new data before answering 204 (fractions allowed).",
+    ),
+    Setting(
+        "sse_max_duration",
+        "60",
+        _positive_float,
+        "Seconds after which an SSE response ends so clients reconnect (lets caches collapse).",
+    ),
+    Setting(
+        "max_request_bytes",
+        str(16 * 1024 * 1024),
+        _positive_int,
+        "Largest request body accepted, in bytes; larger bodies get 413.",
+    ),
+    Setting(
+        "max_read_bytes",
+        str(4 * 1024 * 1024),
+        _positive_int,
+        "Most bytes of stream data in one catch-up response; Stream-Next-Offset continues it.",
+    ),
+    Setting(
+        "poll_interval",
+        "0.05",
+        _positive_float,
+        "Seconds between checks for appends made by other processes while readers wait.",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Validated values; build with `from_environment` so defaults live only in SETTINGS."""
+
+    storage_url: str
+    long_poll_timeout: float
+    sse_max_duration: float
+    max_request_bytes: int
+    max_read_bytes: int
+    poll_interval: float
+
+    @staticmethod
+    def from_environment(environment: Mapping[str, str] = os.environ) -> Settings:
+        values: dict[str, object] = {}
+        for setting in SETTINGS:
+            variable = f"PICOMQ_{setting.name.upper()}"
+            text = environment.get(variable, setting.default)
+            try:
+                values[setting.name] = setting.parse(text)
+            except ValueError as error:
+                raise SettingsError(f"{variable}={text!r}: {error}") from error
+        return Settings(**values)
+
+
+assert [setting.name for setting in SETTINGS] == [field.name for field in fields(Settings)]

@@ -1,0 +1,915 @@
+"""The stream store: durable append-only streams on any fsspec filesystem.
+
+Layout (identical on local disk and S3; every object is written create-only and
+never rewritten):
+
+    <root>/streams/<key>/meta.json                  config and incarnation id (the commit
+                                                    point of create; deleted to delete)
+    <root>/streams/<key>/<incarnation>/seg/<pos>    segment whose first byte is at <pos>
+    <root>/streams/<key>/<incarnation>/gone         soft-delete tombstone (forks still read)
+    <root>/streams/<key>/<incarnation>/forks/<key>  one marker per fork that reads from it
+    <root>/streams/<key>/<incarnation>/touched      sliding-TTL access marker (mtime)
+
+<key> is the stream path percent-encoded into one name (or hashed when long), so no
+input can name a file outside the root. Offsets are byte positions in the stream,
+and a segment's name is the offset it starts at, so the next segment of a stream is
+always named by its tail: a writer creates `seg/<tail>` and the create-only write is
+the fence between processes and nodes. A writer that loses re-reads what the winner
+wrote and validates its batch again against the new state.
+
+Appends are group-committed: one writer greenlet per stream per process takes every
+pending append, validates them in order, writes them as one segment and only then
+answers them all. Live readers wait on an in-process event; when appends may come
+from another process they also poll for the next segment at a bounded interval,
+and only while someone is waiting (idle streams cost nothing).
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from datetime import datetime
+from urllib.parse import quote
+
+import gevent
+import orjson
+from gevent.event import AsyncResult, Event
+
+from objectstore import ObjectStore, StorageUnavailable
+from segments import (
+    HEADER_PROBE_BYTES,
+    CorruptSegment,
+    SegmentIndex,
+    StreamState,
+    decode_header,
+    encode_segment,
+    header_length,
+)
+
+__all__ = ["StorageUnavailable"]
+
+log = logging.getLogger("picomq.storage")
+
+OFFSET_DIGITS = 20
+MAX_KEY_LENGTH = 200
+MAX_WRITE_ATTEMPTS = 100
+
+
+# -- errors: each maps to one protocol outcome --------------------------------------
+
+
+class StoreError(Exception):
+    """Base of the outcomes the HTTP layer turns into status codes."""
+
+
+class StreamNotFound(StoreError):
+    pass
+
+
+class StreamGone(StoreError):
+    """Soft-deleted (forks still read it) or expired while forks live."""
+
+
+class StreamConflict(StoreError):
+    """The request is valid but disagrees with the stream (config, content type, Stream-Seq)."""
+
+
+class InvalidRequest(StoreError):
+    pass
+
+
+class StreamClosed(StoreError):
+    def __init__(self, tail: int) -> None:
+        super().__init__("stream is closed")
+        self.tail = tail
+
+
+class ProducerFenced(StoreError):
+    def __init__(self, current_epoch: int) -> None:
+        super().__init__("stale producer epoch")
+        self.current_epoch = current_epoch
+
+
+class ProducerGap(StoreError):
+    def __init__(self, expected: int, received: int) -> None:
+        super().__init__("producer sequence gap")
+        self.expected = expected
+        self.received = received
+
+
+# -- requests and results ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Payload:
+    """Bytes to append; for JSON streams, already split into serialised messages."""
+
+    data: bytes
+    message_ends: tuple[int, ...] = ()
+
+    @staticmethod
+    def from_messages(messages: list[bytes]) -> Payload:
+        data = b"".join(message + b"," for message in messages)
+        ends, position = [], 0
+        for message in messages:
+            position += len(message) + 1
+            ends.append(position)
+        return Payload(data, tuple(ends))
+
+
+@dataclass(frozen=True)
+class Producer:
+    id: str
+    epoch: int
+    seq: int
+
+
+@dataclass(frozen=True)
+class CreateRequest:
+    content_type: str
+    ttl: int | None = None
+    expires_at: datetime | None = None
+    closed: bool = False
+    payload: Payload | None = None
+    fork_source: str | None = None
+    fork_offset: int | None = None
+    fork_sub_offset: int = 0
+
+
+@dataclass(frozen=True)
+class AppendRequest:
+    content_type: str | None
+    payload: Payload | None
+    close: bool = False
+    producer: Producer | None = None
+    stream_seq: str | None = None
+
+
+@dataclass(frozen=True)
+class StreamInfo:
+    path: str
+    incarnation: str
+    content_type: str
+    tail: int
+    closed: bool
+    ttl: int | None
+    expires_at: str | None
+
+
+@dataclass(frozen=True)
+class AppendResult:
+    info: StreamInfo
+    duplicate: bool = False
+    producer: Producer | None = None
+
+
+@dataclass(frozen=True)
+class ReadResult:
+    """A range [start, end) of a stream; `chunks` yields the body lazily (JSON: an array)."""
+
+    info: StreamInfo
+    start: int
+    end: int
+    chunks: Iterator[bytes]
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    max_read_bytes: int = 4 * 1024 * 1024
+    poll_interval: float = 0.05
+    cached_streams: int = 10_000
+
+
+# -- stream configuration (meta.json) ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class ForkOrigin:
+    source: str
+    source_incarnation: str
+    requested_offset: int | None
+    sub_offset: int
+    point: int
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    path: str
+    incarnation: str
+    content_type: str
+    ttl: int | None
+    expires_at: str | None
+    created_at: float
+    fork: ForkOrigin | None
+
+    def to_json(self) -> bytes:
+        fields = dict(self.__dict__)
+        fields["fork"] = self.fork.__dict__ if self.fork else None
+        return orjson.dumps(fields)
+
+    @staticmethod
+    def from_json(data: bytes) -> StreamConfig:
+        fields = orjson.loads(data)
+        fork = fields.pop("fork")
+        return StreamConfig(**fields, fork=ForkOrigin(**fork) if fork else None)
+
+
+def is_json_type(content_type: str) -> bool:
+    return media_type(content_type) == "application/json"
+
+
+def media_type(content_type: str) -> str:
+    return content_type.split(";", 1)[0].strip().lower()
+
+
+def stream_key(path: str) -> str:
+    """One safe file name per stream path: percent-encoded, or hashed when too long.
+
+    Hashed names start with '~', which percent-encoding never leaves unescaped, so
+    the two kinds cannot collide.
+    """
+    encoded = quote(path, safe="-_.")
+    if len(encoded) <= MAX_KEY_LENGTH and encoded not in (".", ".."):
+        return encoded
+    return "~" + hashlib.sha256(path.encode()).hexdigest()
+
+
+def segment_name(position: int) -> str:
+    return f"{position:0{OFFSET_DIGITS}d}"
+
+
+# -- the in-memory handle of one stream -------------------------------------------
+
+
+@dataclass(eq=False)
+class _Pending:
+    request: AppendRequest
+    result: AsyncResult = field(default_factory=AsyncResult)
+
+
+@dataclass(eq=False)
+class _Stream:
+    config: StreamConfig
+    identity: object
+    state: StreamState
+    base: int
+    source: _Stream | None
+    starts: list[int] = field(default_factory=list)
+    segments: dict[int, SegmentIndex] = field(default_factory=dict)
+    changed: Event = field(default_factory=Event)
+    pending: list[_Pending] = field(default_factory=list)
+    writing: bool = False
+    waiters: int = 0
+    polling: bool = False
+    last_access: float = 0.0
+
+    @property
+    def prefix(self) -> str:
+        return f"streams/{stream_key(self.config.path)}/{self.config.incarnation}"
+
+    @property
+    def is_json(self) -> bool:
+        return is_json_type(self.config.content_type)
+
+    def segment_key(self, position: int) -> str:
+        return f"{self.prefix}/seg/{segment_name(position)}"
+
+    def info(self) -> StreamInfo:
+        config = self.config
+        return StreamInfo(
+            path=config.path,
+            incarnation=config.incarnation,
+            content_type=config.content_type,
+            tail=self.state.tail,
+            closed=self.state.closed,
+            ttl=config.ttl,
+            expires_at=config.expires_at,
+        )
+
+    def notify(self) -> None:
+        """Wake every live reader; later waiters get a fresh event."""
+        changed, self.changed = self.changed, Event()
+        changed.set()
+
+
+@dataclass
+class _Plan:
+    """The outcome of validating one batch against the current state."""
+
+    state: StreamState
+    payload: list[bytes] = field(default_factory=list)
+    append_ends: list[int] = field(default_factory=list)
+    message_ends: list[int] = field(default_factory=list)
+    outcomes: list[object] = field(default_factory=list)
+    writes: bool = False
+
+
+def _meta_key(path: str) -> str:
+    return f"streams/{stream_key(path)}/meta.json"
+
+
+class StreamStore:
+    """Create, append, read, wait, delete: the storage verbs the protocol needs."""
+
+    def __init__(self, objects: ObjectStore, settings: StoreSettings | None = None) -> None:
+        self.objects = objects
+        self.settings = settings or StoreSettings()
+        self._streams: OrderedDict[str, _Stream] = OrderedDict()
+        self.listeners: list[Callable[[StreamInfo], None]] = []
+
+    # -- opening, caching, expiry -----------------------------------------------------
+
+    def _open(self, path: str, *, touch: bool = False) -> _Stream:
+        """The live handle of a stream, checked against storage (the only truth)."""
+        stream = self._current_handle(path)
+        if self.objects.exists(f"{stream.prefix}/gone"):
+            raise StreamGone(f"stream {path} was deleted")
+        if self._expired(stream):
+            if self._retire(stream):
+                raise StreamGone(f"stream {path} expired while forks still read it")
+            raise StreamNotFound(f"stream {path} not found")
+        if touch and stream.config.ttl is not None:
+            stream.last_access = time.time()
+            self.objects.touch(f"{stream.prefix}/touched")
+        return stream
+
+    def _current_handle(self, path: str) -> _Stream:
+        identity = self.objects.identity(_meta_key(path))
+        if identity is None:
+            self._streams.pop(path, None)
+            raise StreamNotFound(f"stream {path} not found")
+        stream = self._streams.get(path)
+        if stream is not None and stream.identity == identity:
+            self._streams.move_to_end(path)
+            return stream
+        return self._load(path, identity)
+
+    def _load(self, path: str, identity: object) -> _Stream:
+        try:
+            config = StreamConfig.from_json(self.objects.read(_meta_key(path)))
+        except FileNotFoundError as error:
+            raise StreamNotFound(f"stream {path} not found") from error
+        source, base = None, 0
+        if config.fork:
+            source = self._source_handle(config.fork)
+            base = config.fork.point
+        stream = _Stream(config, identity, StreamState(tail=base), base, source)
+        stream.last_access = config.created_at
+        names = self.objects.list(f"{stream.prefix}/seg")
+        stream.starts = sorted(int(name) for name in names if name.isdigit())
+        if stream.starts:
+            stream.state = self._read_segment(stream, stream.starts[-1])[1]
+        self._remember(path, stream)
+        return stream
+
+    def _source_handle(self, fork: ForkOrigin) -> _Stream:
+        """A fork's source, by incarnation: soft-deleted and expired sources still serve."""
+        stream = self._streams.get(fork.source)
+        if stream is not None and stream.config.incarnation == fork.source_incarnation:
+            return stream
+        identity = self.objects.identity(_meta_key(fork.source))
+        stream = self._load(fork.source, identity)
+        if stream.config.incarnation != fork.source_incarnation:
+            raise StorageUnavailable(f"fork source {fork.source} is missing from storage")
+        return stream
+
+    def _remember(self, path: str, stream: _Stream) -> None:
+        self._streams[path] = stream
+        while len(self._streams) > self.settings.cached_streams:
+            oldest_path, oldest = next(iter(self._streams.items()))
+            if oldest.waiters or oldest.writing:
+                self._streams.move_to_end(oldest_path)
+                break
+            del self._streams[oldest_path]
+
+    def _expired(self, stream: _Stream) -> bool:
+        config, now = stream.config, time.time()
+        if (
+            config.expires_at is not None
+            and now >= datetime.fromisoformat(config.expires_at).timestamp()
+        ):
+            return True
+        if config.ttl is None:
+            return False
+        touched = self.objects.modified(f"{stream.prefix}/touched") or 0.0
+        return now >= max(stream.last_access, touched) + config.ttl
+
+    # -- segments -----------------------------------------------------------------------
+
+    def _read_segment(self, stream: _Stream, start: int) -> tuple[SegmentIndex, StreamState]:
+        key = stream.segment_key(start)
+        head = self.objects.read(key, 0, HEADER_PROBE_BYTES)
+        length = header_length(head)
+        if length > len(head):
+            head = self.objects.read(key, 0, length)
+        index, state = decode_header(head)
+        stream.segments[start] = index
+        return index, state
+
+    def _segment(self, stream: _Stream, start: int) -> SegmentIndex:
+        index = stream.segments.get(start)
+        return index if index is not None else self._read_segment(stream, start)[0]
+
+    def _refresh(self, stream: _Stream) -> bool:
+        """Pick up segments other processes wrote after our tail; True if any."""
+        found = False
+        while not stream.state.closed:
+            try:
+                index, state = self._read_segment(stream, stream.state.tail)
+            except FileNotFoundError:
+                break
+            except CorruptSegment as error:
+                raise StorageUnavailable(f"{stream.config.path}: {error}") from error
+            _add_start(stream, index.start)
+            stream.state = state
+            found = True
+            if index.end == index.start:
+                break
+        if found:
+            stream.notify()
+        return found
+
+    # -- create --------------------------------------------------------------------------
+
+    def create(self, path: str, request: CreateRequest) -> tuple[bool, StreamInfo]:
+        """Create a stream, or confirm an identical one: returns (created, info)."""
+        existing = self._existing_for_create(path)
+        fork, request = self._resolve_fork(request)
+        config = StreamConfig(
+            path=path,
+            incarnation=uuid.uuid4().hex[:16],
+            content_type=request.content_type,
+            ttl=request.ttl,
+            expires_at=request.expires_at.isoformat() if request.expires_at else None,
+            created_at=time.time(),
+            fork=fork,
+        )
+        if existing is not None:
+            return False, self._confirm(existing, config, request)
+        stream = _Stream(config, None, StreamState(tail=fork.point if fork else 0), 0, None)
+        if request.payload is not None and request.payload.data or request.closed:
+            plan = _Plan(state=stream.state.copy())
+            _add_payload(plan, request.payload or Payload(b""))
+            plan.state.closed = request.closed
+            self._write_segment(stream, plan)
+        if fork:
+            self.objects.create(
+                f"{self._source_handle(fork).prefix}/forks/{stream_key(path)}",
+                config.incarnation.encode(),
+            )
+        try:
+            self.objects.create(_meta_key(path), config.to_json())
+        except FileExistsError:
+            self.objects.delete_tree(stream.prefix)
+            return False, self._confirm(self._open(path), config, request)
+        info = self._open(path).info()
+        self._announce(info)
+        return True, info
+
+    def _existing_for_create(self, path: str) -> _Stream | None:
+        try:
+            return self._open(path)
+        except StreamNotFound:
+            return None
+        except StreamGone as error:
+            raise StreamConflict(
+                f"stream {path} was deleted and cannot be re-created yet"
+            ) from error
+
+    def _confirm(
+        self, existing: _Stream, wanted: StreamConfig, request: CreateRequest
+    ) -> StreamInfo:
+        """An idempotent re-create matches every setting, closure included, or is a 409."""
+        have = existing.config
+        same = (
+            media_type(have.content_type) == media_type(wanted.content_type)
+            and have.ttl == wanted.ttl
+            and have.expires_at == wanted.expires_at
+            and existing.state.closed == request.closed
+            and _fork_request(have.fork) == _fork_request(wanted.fork)
+        )
+        if not same:
+            raise StreamConflict(f"stream {have.path} exists with a different configuration")
+        return existing.info()
+
+    def _resolve_fork(self, request: CreateRequest) -> tuple[ForkOrigin | None, CreateRequest]:
+        """Validate fork headers against the source; forks inherit its type and expiry."""
+        if request.fork_source is None:
+            return None, request
+        try:
+            source = self._open(request.fork_source)
+        except StreamNotFound as error:
+            raise StreamNotFound(f"fork source {request.fork_source} not found") from error
+        except StreamGone as error:
+            raise StreamConflict(f"fork source {request.fork_source} was deleted") from error
+        self._refresh(source)
+        offset = source.state.tail if request.fork_offset is None else request.fork_offset
+        if offset > source.state.tail:
+            raise InvalidRequest("Stream-Fork-Offset is beyond the source's tail")
+        point = self._sub_offset_point(source, offset, request.fork_sub_offset)
+        if request.content_type and media_type(request.content_type) != media_type(
+            source.config.content_type
+        ):
+            raise StreamConflict("fork content type differs from its source")
+        inherited = request
+        if request.ttl is None and request.expires_at is None:
+            expires = source.config.expires_at
+            inherited = replace(
+                request,
+                ttl=source.config.ttl,
+                expires_at=datetime.fromisoformat(expires) if expires else None,
+            )
+        inherited = replace(inherited, content_type=source.config.content_type)
+        origin = ForkOrigin(
+            source=source.config.path,
+            source_incarnation=source.config.incarnation,
+            requested_offset=request.fork_offset,
+            sub_offset=request.fork_sub_offset,
+            point=point,
+        )
+        return origin, inherited
+
+    def _sub_offset_point(self, stream: _Stream, offset: int, sub_offset: int) -> int:
+        """The fork point `sub_offset` bytes (or JSON messages) into the append at `offset`."""
+        if sub_offset == 0:
+            return offset
+        append_end, message_ends = self._append_at(stream, offset)
+        if stream.is_json:
+            if sub_offset > len(message_ends):
+                raise InvalidRequest("Stream-Fork-Sub-Offset is past the end of that append")
+            return message_ends[sub_offset - 1]
+        if offset + sub_offset > append_end:
+            raise InvalidRequest("Stream-Fork-Sub-Offset is past the end of that append")
+        return offset + sub_offset
+
+    def _append_at(self, stream: _Stream, offset: int) -> tuple[int, list[int]]:
+        """End of the append that starts at `offset`, and its message ends (JSON)."""
+        if stream.source is not None and offset < stream.base:
+            end, messages = self._append_at(stream.source, offset)
+            return min(end, stream.base), [m for m in messages if m <= stream.base]
+        position = bisect.bisect_right(stream.starts, offset) - 1
+        if position < 0 or offset >= stream.state.tail:
+            raise InvalidRequest("Stream-Fork-Sub-Offset names data past the source's tail")
+        index = self._segment(stream, stream.starts[position])
+        append_starts = (index.start, *index.append_ends[:-1])
+        if offset not in append_starts:
+            raise InvalidRequest("Stream-Fork-Offset is not the start of an append")
+        end = index.append_ends[append_starts.index(offset)]
+        return end, [m for m in index.message_ends if offset < m <= end]
+
+    # -- append ----------------------------------------------------------------------------
+
+    def append(self, path: str, request: AppendRequest) -> AppendResult:
+        """Queue an append for the stream's writer and wait until it is durable."""
+        stream = self._open(path, touch=True)
+        pending = _Pending(request)
+        stream.pending.append(pending)
+        if not stream.writing:
+            stream.writing = True
+            gevent.spawn(self._write_pending, stream)
+        return pending.result.get()
+
+    def _write_pending(self, stream: _Stream) -> None:
+        try:
+            while stream.pending:
+                batch, stream.pending = stream.pending, []
+                try:
+                    self._commit(stream, batch)
+                except Exception as error:  # storage failed: nothing in the batch is acknowledged
+                    for pending in batch:
+                        if not pending.result.ready():
+                            pending.result.set_exception(error)
+        finally:
+            stream.writing = False
+
+    def _commit(self, stream: _Stream, batch: list[_Pending]) -> None:
+        """Validate, write one segment, and answer: the group commit."""
+        refreshed = False
+        for _ in range(MAX_WRITE_ATTEMPTS):
+            plan = self._plan(stream, batch)
+            if not plan.writes:
+                if not refreshed and self._refresh(stream):
+                    refreshed = True
+                    continue
+                break
+            try:
+                self._write_segment(stream, plan)
+            except FileExistsError:
+                # Another process wrote at our tail first: adopt its state and re-validate.
+                self._refresh(stream)
+                refreshed = True
+                continue
+            stream.notify()
+            self._announce(stream.info())
+            break
+        else:
+            raise StorageUnavailable("too many concurrent writers on this stream; retry")
+        for pending, outcome in zip(batch, plan.outcomes, strict=True):
+            if isinstance(outcome, StoreError):
+                pending.result.set_exception(outcome)
+            else:
+                pending.result.set(outcome)
+
+    def _announce(self, info: StreamInfo) -> None:
+        """Tell listeners (subscriptions) that a stream was created or grew in this process."""
+        for listener in self.listeners:
+            try:
+                listener(info)
+            except Exception:
+                log.exception("stream listener failed for %s", info.path)
+
+    def _write_segment(self, stream: _Stream, plan: _Plan) -> None:
+        start = stream.state.tail
+        data = encode_segment(
+            start, b"".join(plan.payload), plan.append_ends, plan.message_ends, plan.state
+        )
+        self.objects.create(stream.segment_key(start), data)
+        _add_start(stream, start)
+        stream.state = plan.state
+
+    def _plan(self, stream: _Stream, batch: list[_Pending]) -> _Plan:
+        plan = _Plan(state=stream.state.copy())
+        for pending in batch:
+            try:
+                plan.outcomes.append(self._plan_one(stream, plan, pending.request))
+            except StoreError as error:
+                plan.outcomes.append(error)
+        return plan
+
+    def _plan_one(self, stream: _Stream, plan: _Plan, request: AppendRequest) -> AppendResult:
+        state = plan.state
+        producer = request.producer
+        if state.closed:
+            return self._closed_outcome(stream, state, request)
+        if request.payload is not None and media_type(request.content_type or "") != media_type(
+            stream.config.content_type
+        ):
+            raise StreamConflict("Content-Type does not match the stream's content type")
+        if producer is not None:
+            duplicate = _check_producer(state, producer)
+            if duplicate is not None:
+                return AppendResult(_info(stream, state), duplicate=True, producer=duplicate)
+        if request.stream_seq is not None:
+            if (
+                state.stream_seq is not None
+                and request.stream_seq.encode() <= state.stream_seq.encode()
+            ):
+                raise StreamConflict("Stream-Seq must increase")
+            state.stream_seq = request.stream_seq
+        if request.payload is not None:
+            _add_payload(plan, request.payload)
+        if producer is not None:
+            state.producers[producer.id] = (producer.epoch, producer.seq)
+        if request.close:
+            state.closed = True
+            state.closer = (producer.id, producer.epoch, producer.seq) if producer else None
+        plan.writes = True
+        return AppendResult(_info(stream, state), producer=producer)
+
+    @staticmethod
+    def _closed_outcome(
+        stream: _Stream, state: StreamState, request: AppendRequest
+    ) -> AppendResult:
+        producer = request.producer
+        if producer is not None and state.closer == (producer.id, producer.epoch, producer.seq):
+            return AppendResult(_info(stream, state), duplicate=True, producer=producer)
+        if producer is None and request.payload is None and request.close:
+            return AppendResult(_info(stream, state), duplicate=True)
+        raise StreamClosed(state.tail)
+
+    # -- head, read, wait -----------------------------------------------------------
+
+    def head(self, path: str) -> StreamInfo:
+        stream = self._open(path)
+        self._refresh(stream)
+        return stream.info()
+
+    def touch(self, path: str) -> StreamInfo:
+        """Renew a sliding TTL (reads that return no data still count as use)."""
+        stream = self._open(path, touch=True)
+        self._refresh(stream)
+        return stream.info()
+
+    def read(self, path: str, offset: int | None, max_bytes: int | None = None) -> ReadResult:
+        """Up to `max_bytes` from `offset` (None: the start), ending on a message boundary."""
+        stream = self._open(path, touch=True)
+        start = 0 if offset is None else offset
+        if start >= stream.state.tail:
+            self._refresh(stream)
+        tail = stream.state.tail
+        if start > tail:
+            raise InvalidRequest("offset is beyond the end of the stream")
+        if stream.is_json and not self._is_message_boundary(stream, start):
+            raise InvalidRequest("offset is not a message boundary of this JSON stream")
+        limit = min(tail, start + (max_bytes or self.settings.max_read_bytes))
+        end = self._message_end_before(stream, start, limit) if stream.is_json else limit
+        slices = self._slices(stream, start, end)
+        chunks = self._json_chunks(slices) if stream.is_json else self._byte_chunks(slices)
+        return ReadResult(stream.info(), start, end, chunks)
+
+    def wait(self, path: str, offset: int, timeout: float) -> StreamInfo:
+        """Return once the stream has data past `offset`, is closed, or `timeout` passed."""
+        stream = self._open(path, touch=True)
+        if stream.state.tail <= offset:
+            self._refresh(stream)
+        deadline = time.monotonic() + timeout
+        stream.waiters += 1
+        try:
+            while stream.state.tail <= offset and not stream.state.closed:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                if not stream.polling:
+                    stream.polling = True
+                    gevent.spawn(self._poll, stream)
+                stream.changed.wait(remaining)
+        finally:
+            stream.waiters -= 1
+        return stream.info()
+
+    def _poll(self, stream: _Stream) -> None:
+        """While readers wait, look for segments written by other processes."""
+        try:
+            while stream.waiters > 0 and not stream.state.closed:
+                gevent.sleep(self.settings.poll_interval)
+                try:
+                    self._refresh(stream)
+                except StorageUnavailable:
+                    continue
+        finally:
+            stream.polling = False
+
+    def _is_message_boundary(self, stream: _Stream, offset: int) -> bool:
+        if offset in (0, stream.state.tail, stream.base):
+            return True
+        if stream.source is not None and offset < stream.base:
+            return self._is_message_boundary(stream.source, offset)
+        position = bisect.bisect_right(stream.starts, offset) - 1
+        if position < 0:
+            return False
+        index = self._segment(stream, stream.starts[position])
+        return offset == index.start or offset in index.message_ends
+
+    def _message_end_before(self, stream: _Stream, start: int, limit: int) -> int:
+        """The last message end in (start, limit], or the first one after `start`."""
+        if limit <= start:
+            return start
+        if stream.source is not None and start < stream.base:
+            if limit <= stream.base:
+                return min(self._message_end_before(stream.source, start, limit), stream.base)
+            own_end = self._own_message_end(stream, stream.base, limit, backward=True)
+            return own_end if own_end > stream.base else stream.base
+        found = self._own_message_end(stream, start, limit, backward=True)
+        if found > start:
+            return found
+        return self._own_message_end(stream, start, stream.state.tail, backward=False)
+
+    def _own_message_end(self, stream: _Stream, start: int, limit: int, *, backward: bool) -> int:
+        first = bisect.bisect_right(stream.starts, start) - 1
+        last = bisect.bisect_left(stream.starts, limit) - 1
+        order = (
+            range(last, max(first, 0) - 1, -1)
+            if backward
+            else range(max(first, 0), len(stream.starts))
+        )
+        for position in order:
+            ends = self._segment(stream, stream.starts[position]).message_ends
+            candidates = [end for end in ends if start < end <= limit]
+            if candidates:
+                return candidates[-1] if backward else candidates[0]
+        return start
+
+    def _slices(self, stream: _Stream, start: int, end: int) -> list[tuple[str, int, int]]:
+        """(object key, byte position, length) pieces that hold [start, end)."""
+        pieces: list[tuple[str, int, int]] = []
+        if stream.source is not None and start < stream.base:
+            pieces += self._slices(stream.source, start, min(end, stream.base))
+            start = stream.base
+        if start >= end:
+            return pieces
+        if end > stream.state.tail:
+            self._refresh(stream)
+        position = max(bisect.bisect_right(stream.starts, start) - 1, 0)
+        while start < end and position < len(stream.starts):
+            index = self._segment(stream, stream.starts[position])
+            if index.end > start:
+                length = min(end, index.end) - start
+                key = stream.segment_key(index.start)
+                pieces.append((key, index.payload_position + start - index.start, length))
+                start += length
+            position += 1
+        return pieces
+
+    def _byte_chunks(self, slices: list[tuple[str, int, int]]) -> Iterator[bytes]:
+        for key, position, length in slices:
+            yield from self.objects.iter_range(key, position, length)
+
+    def _json_chunks(self, slices: list[tuple[str, int, int]]) -> Iterator[bytes]:
+        """Stored messages each end with ',': the array is '[' + bytes minus the last ',' + ']'."""
+        yield b"["
+        held = b""
+        for chunk in self._byte_chunks(slices):
+            if held:
+                yield held
+            held = chunk
+        yield held[:-1] + b"]"
+
+    # -- delete ---------------------------------------------------------------------------
+
+    def delete(self, path: str) -> None:
+        self._retire(self._open(path))
+
+    def _retire(self, stream: _Stream) -> bool:
+        """Delete, or soft-delete while forks still read the data; True if soft."""
+        if self._has_forks(stream):
+            try:
+                self.objects.create(f"{stream.prefix}/gone", b"")
+            except FileExistsError:
+                pass
+            return True
+        self._erase(stream)
+        return False
+
+    def _has_forks(self, stream: _Stream) -> bool:
+        for name in self.objects.list(f"{stream.prefix}/forks"):
+            marker = f"{stream.prefix}/forks/{name}"
+            try:
+                incarnation = self.objects.read(marker).decode()
+                fork_meta = self.objects.read(f"streams/{name}/meta.json")
+            except FileNotFoundError:
+                self.objects.delete_tree(marker)
+                continue
+            if StreamConfig.from_json(fork_meta).incarnation == incarnation:
+                return True
+            self.objects.delete_tree(marker)
+        return False
+
+    def _erase(self, stream: _Stream) -> None:
+        config = stream.config
+        try:
+            current = StreamConfig.from_json(self.objects.read(_meta_key(config.path)))
+        except FileNotFoundError:
+            current = None
+        if current is not None and current.incarnation == config.incarnation:
+            self.objects.delete(_meta_key(config.path))  # the commit point of a delete
+        self.objects.delete_tree(stream.prefix)
+        if self._streams.get(config.path) is stream:
+            del self._streams[config.path]
+        stream.notify()
+        if config.fork is not None and stream.source is not None:
+            source = stream.source
+            self.objects.delete_tree(f"{source.prefix}/forks/{stream_key(config.path)}")
+            if self.objects.exists(f"{source.prefix}/gone") and not self._has_forks(source):
+                self._erase(source)
+
+
+def _add_start(stream: _Stream, start: int) -> None:
+    """Index a segment once, whether our writer or a refresh saw it first."""
+    position = bisect.bisect_left(stream.starts, start)
+    if position == len(stream.starts) or stream.starts[position] != start:
+        stream.starts.insert(position, start)
+
+
+def _info(stream: _Stream, state: StreamState) -> StreamInfo:
+    return replace(stream.info(), tail=state.tail, closed=state.closed)
+
+
+def _add_payload(plan: _Plan, payload: Payload) -> None:
+    start = plan.state.tail
+    plan.payload.append(payload.data)
+    plan.message_ends.extend(start + end for end in payload.message_ends)
+    plan.state.tail = start + len(payload.data)
+    plan.append_ends.append(plan.state.tail)
+
+
+def _check_producer(state: StreamState, producer: Producer) -> Producer | None:
+    """Validate an idempotent producer; returns the recorded (epoch, seq) on a duplicate."""
+    current = state.producers.get(producer.id)
+    if current is None:
+        if producer.seq != 0:
+            raise ProducerGap(expected=0, received=producer.seq)
+        return None
+    epoch, seq = current
+    if producer.epoch < epoch:
+        raise ProducerFenced(current_epoch=epoch)
+    if producer.epoch > epoch:
+        if producer.seq != 0:
+            raise InvalidRequest("a new Producer-Epoch must start at Producer-Seq 0")
+        return None
+    if producer.seq <= seq:
+        return Producer(producer.id, epoch, seq)
+    if producer.seq > seq + 1:
+        raise ProducerGap(expected=seq + 1, received=producer.seq)
+    return None
+
+
+def _fork_request(fork: ForkOrigin | None) -> tuple[object, ...] | None:
+    if fork is None:
+        return None
+    return (fork.source, fork.requested_offset, fork.sub_offset)

@@ -1,0 +1,300 @@
+"""Real servers for the tests: PicoMQ under `gunicorn -k gevent`, and `moto_server` for S3.
+
+Each server runs in its own process group on a free 127.0.0.1 port, with its output in a
+log file. Readiness is polled with a deadline; a server that exits or never answers fails
+the test with its output. Teardown signals only the processes these fixtures started.
+"""
+
+from __future__ import annotations
+
+import http.client
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+REPO_DIR = Path(__file__).resolve().parent.parent
+BIN_DIR = Path(sys.executable).parent
+READY_DEADLINE_SECONDS = 30.0
+# Live reads end themselves (long-poll timeout, SSE max duration), so a graceful stop is
+# quick; past this deadline the process group is killed.
+STOP_DEADLINE_SECONDS = 30.0
+OUTPUT_TAIL_CHARS = 8000
+READINESS_PATH = "/v1/stream/__readiness-probe"
+DEFAULT_LONG_POLL_TIMEOUT = 0.5
+
+
+def find_free_port() -> int:
+    """Ask the kernel for a free loopback port (free now; a race with others is possible)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def find_executable(name: str) -> Path:
+    """The executable installed beside this Python (the venv's bin directory)."""
+    path = BIN_DIR / name
+    if not path.exists():
+        pytest.fail(f"{path} not found: install requirements-dev.txt into this Python's venv")
+    return path
+
+
+def answers_http(port: int, path: str) -> bool:
+    """True if anything on 127.0.0.1:port answers an HTTP GET, whatever the status."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+    try:
+        connection.request("GET", path)
+        connection.getresponse().read()
+        return True
+    except OSError:
+        return False
+    finally:
+        connection.close()
+
+
+@dataclass
+class ManagedProcess:
+    """One server process, started in a new session so a kill reaches its children too."""
+
+    name: str
+    command: list[str]
+    cwd: Path
+    env: dict[str, str]
+    log_path: Path
+    port: int
+    readiness_path: str = "/"
+    process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None, f"{self.name} is not running"
+        return self.process.pid
+
+    def start(self) -> None:
+        """Start the process and wait until it answers HTTP; fail the test if it does not."""
+        assert self.process is None, f"{self.name} is already running"
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                self.command,
+                cwd=self.cwd,
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + READY_DEADLINE_SECONDS
+        while not answers_http(self.port, self.readiness_path):
+            if self.process.poll() is not None:
+                self.process = None
+                pytest.fail(f"{self.name} exited before answering HTTP\n{self.output_tail()}")
+            if time.monotonic() > deadline:
+                self.kill9()
+                pytest.fail(
+                    f"{self.name} did not answer HTTP within {READY_DEADLINE_SECONDS} s\n"
+                    f"{self.output_tail()}"
+                )
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        """SIGTERM, wait for a graceful exit, then SIGKILL the process group."""
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=STOP_DEADLINE_SECONDS)
+            except subprocess.TimeoutExpired:
+                self.kill9()
+                return
+        self.process = None
+
+    def kill9(self) -> None:
+        """SIGKILL the whole process group at once, as a crash of the machine would."""
+        if self.process is None:
+            return
+        # Signal the group only while its leader is unreaped: its PID, and so the group
+        # ID, cannot have been reused by anyone else yet.
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+        self.process = None
+
+    def output(self) -> str:
+        """Everything the process has written to stdout and stderr, all runs included."""
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def output_tail(self) -> str:
+        text = self.output()
+        if len(text) > OUTPUT_TAIL_CHARS:
+            text = "...\n" + text[-OUTPUT_TAIL_CHARS:]
+        return f"--- {self.name} output ({self.log_path}) ---\n{text}"
+
+
+@dataclass
+class Server:
+    """A running PicoMQ: `url` is the base URL; streams live under `url + "/v1/stream/"`."""
+
+    url: str
+    data_dir: Path
+    env: dict[str, str]
+    managed: ManagedProcess
+
+    @property
+    def pid(self) -> int:
+        return self.managed.pid
+
+    def stream_url(self, path: str) -> str:
+        return f"{self.url}/v1/stream/{path.lstrip('/')}"
+
+    def stop(self) -> None:
+        self.managed.stop()
+
+    def kill9(self) -> None:
+        self.managed.kill9()
+
+    def start(self) -> None:
+        self.managed.start()
+
+    def restart(self) -> None:
+        """Stop (gracefully, if still running) and start again: same port and data dir."""
+        self.managed.stop()
+        self.managed.start()
+
+    def output(self) -> str:
+        return self.managed.output()
+
+
+StartServer = Callable[..., Server]
+
+
+def server_environment(
+    storage_url: str, long_poll_timeout: float, workers: int | None, env: Mapping[str, str]
+) -> dict[str, str]:
+    """This process's environment without any PICOMQ_* setting, plus the given ones."""
+    result = {key: value for key, value in os.environ.items() if not key.startswith("PICOMQ_")}
+    result["PYTHONUNBUFFERED"] = "1"
+    result["PICOMQ_STORAGE_URL"] = storage_url
+    result["PICOMQ_LONG_POLL_TIMEOUT"] = str(long_poll_timeout)
+    if workers is not None:
+        result["PICOMQ_WORKERS"] = str(workers)
+    result.update(env)
+    return result
+
+
+def make_server(
+    base_dir: Path,
+    *,
+    storage_url: str | None = None,
+    long_poll_timeout: float = DEFAULT_LONG_POLL_TIMEOUT,
+    workers: int | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Server:
+    """A PicoMQ (not yet started) with its data and log under base_dir.
+
+    storage_url defaults to base_dir/"data" on local disk; workers=None leaves the count
+    to gunicorn.conf.py; env adds or overrides environment variables (e.g. AWS_*).
+    """
+    data_dir = base_dir / "data"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    port = find_free_port()
+    server_env = server_environment(
+        storage_url or str(data_dir), long_poll_timeout, workers, env or {}
+    )
+    command = [
+        str(find_executable("gunicorn")),
+        "-c",
+        "gunicorn.conf.py",
+        "-k",
+        "gevent",
+        "--bind",
+        f"127.0.0.1:{port}",
+        "--no-control-socket",
+        "wsgi:app",
+    ]
+    managed = ManagedProcess(
+        name="picomq",
+        command=command,
+        cwd=REPO_DIR,
+        env=server_env,
+        log_path=base_dir / "server.log",
+        port=port,
+        readiness_path=READINESS_PATH,
+    )
+    return Server(
+        url=f"http://127.0.0.1:{port}", data_dir=data_dir, env=server_env, managed=managed
+    )
+
+
+@pytest.fixture
+def start_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StartServer]:
+    """Factory: `start_server(storage_url=None, long_poll_timeout=0.5, workers=None, env=None)`.
+
+    Each call starts a PicoMQ with a fresh data dir and returns its Server once it answers
+    HTTP. Every server started is stopped at the end of the test.
+    """
+    servers: list[Server] = []
+
+    def start(
+        *,
+        storage_url: str | None = None,
+        long_poll_timeout: float = DEFAULT_LONG_POLL_TIMEOUT,
+        workers: int | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> Server:
+        server = make_server(
+            tmp_path_factory.mktemp("picomq"),
+            storage_url=storage_url,
+            long_poll_timeout=long_poll_timeout,
+            workers=workers,
+            env=env,
+        )
+        servers.append(server)
+        server.start()
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """One PicoMQ for the session: local disk, long-poll timeout 0.5 s, default workers."""
+    shared = make_server(tmp_path_factory.mktemp("picomq-shared"))
+    shared.start()
+    yield shared
+    shared.stop()
+
+
+@pytest.fixture(scope="session")
+def moto_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A moto_server for the session; yields its endpoint URL. It holds no buckets at first."""
+    base_dir = tmp_path_factory.mktemp("moto")
+    port = find_free_port()
+    managed = ManagedProcess(
+        name="moto_server",
+        command=[str(find_executable("moto_server")), "-H", "127.0.0.1", "-p", str(port)],
+        cwd=base_dir,
+        env=dict(os.environ),
+        log_path=base_dir / "moto.log",
+        port=port,
+    )
+    managed.start()
+    yield f"http://127.0.0.1:{port}"
+    managed.stop()
+
+
+@pytest.fixture
+def unique_stream(request: pytest.FixtureRequest) -> str:
+    """A stream path no other test uses: the test's name plus a random suffix."""
+    name = "".join(c if c.isalnum() else "-" for c in request.node.name)[:60].strip("-")
+    return f"{name}-{uuid.uuid4().hex[:12]}"

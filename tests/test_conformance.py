@@ -1,0 +1,135 @@
+"""The Durable Streams server conformance suite (npm, run by vitest) against a real PicoMQ.
+
+Needs node and npm; installs the pinned suite with `npm ci` when node_modules is missing or
+older than package-lock.json. Deselect with `-m "not conformance"`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from conftest import StartServer
+
+CONFORMANCE_DIR = Path(__file__).resolve().parent / "conformance"
+EXPECTED_PASSED = 338  # every test of suite 0.3.6, the 6 subscription tests included
+LONG_POLL_TIMEOUT = 0.5  # the suite's offset=now long-poll tests must finish within 5 s
+NPM_TIMEOUT_SECONDS = 600
+VITEST_TIMEOUT_SECONDS = 600
+MESSAGE_CHARS = 400
+MAX_FAILURES_LISTED = 60
+OUTPUT_TAIL_CHARS = 4000
+
+
+def require_node_and_npm() -> None:
+    missing = [tool for tool in ("node", "npm") if shutil.which(tool) is None]
+    if missing:
+        pytest.fail(
+            f"{' and '.join(missing)} not found: install Node.js 18 or newer with npm "
+            "(Debian: apt-get install nodejs npm) to run the conformance suite"
+        )
+
+
+def install_suite() -> None:
+    """`npm ci` unless node_modules already matches package-lock.json."""
+    lock = CONFORMANCE_DIR / "package-lock.json"
+    installed = CONFORMANCE_DIR / "node_modules" / ".package-lock.json"  # written by npm
+    if installed.exists() and installed.stat().st_mtime >= lock.stat().st_mtime:
+        return
+    result = subprocess.run(
+        ["npm", "ci", "--no-audit", "--no-fund"],
+        cwd=CONFORMANCE_DIR,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=NPM_TIMEOUT_SECONDS,
+    )
+    if result.returncode != 0:
+        pytest.fail(f"npm ci failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+
+
+def run_vitest(base_url: str, report_path: Path) -> tuple[int, str]:
+    """Run the suite; return vitest's exit code and its console output.
+
+    vitest runs in its own process group so a timeout can stop its worker processes too.
+    """
+    env = dict(os.environ, PICOMQ_URL=base_url, NO_COLOR="1")
+    env["PICOMQ_LONG_POLL_MS"] = str(int(LONG_POLL_TIMEOUT * 1000))
+    command = [
+        str(CONFORMANCE_DIR / "node_modules" / ".bin" / "vitest"),
+        "run",
+        "--root",
+        str(CONFORMANCE_DIR),
+        "--reporter=default",
+        "--reporter=json",
+        f"--outputFile.json={report_path}",
+    ]
+    process = subprocess.Popen(
+        command,
+        cwd=CONFORMANCE_DIR,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=VITEST_TIMEOUT_SECONDS)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # leader not yet reaped: the group is ours
+        output, _ = process.communicate()
+        tail = output[-OUTPUT_TAIL_CHARS:]
+        pytest.fail(f"vitest did not finish within {VITEST_TIMEOUT_SECONDS} s\n{tail}")
+    return process.returncode, output
+
+
+def describe_failure(test: dict) -> str:
+    """The test's name and the first lines of its error, without the stack trace."""
+    lines = []
+    for message in test.get("failureMessages", []):
+        lines += [line for line in message.splitlines() if not line.lstrip().startswith("at ")]
+    text = "\n    ".join(lines) or "(no message)"
+    if "STACK_TRACE_ERROR" in text:
+        text += " (vitest's JSON report says this for a test timeout; see vitest's output)"
+    if len(text) > MESSAGE_CHARS:
+        text = text[:MESSAGE_CHARS] + "..."
+    return f"- {test.get('fullName')}\n    {text}"
+
+
+@pytest.mark.conformance
+def test_conformance_suite(start_server: StartServer, tmp_path: Path) -> None:
+    require_node_and_npm()
+    install_suite()
+    server = start_server(long_poll_timeout=LONG_POLL_TIMEOUT)
+    report_path = tmp_path / "vitest-report.json"
+
+    returncode, output = run_vitest(server.url, report_path)
+    output_path = tmp_path / "vitest-output.txt"
+    output_path.write_text(output)
+    print(output[-OUTPUT_TAIL_CHARS:])  # vitest's summary, shown by pytest on failure
+    if not report_path.exists():
+        pytest.fail(f"vitest wrote no report (exit {returncode})\n{output[-OUTPUT_TAIL_CHARS:]}")
+    report = json.loads(report_path.read_text())
+
+    tests = [test for suite in report["testResults"] for test in suite["assertionResults"]]
+    failed = [test for test in tests if test["status"] == "failed"]
+    summary = (
+        f"passed {report['numPassedTests']}, failed {report['numFailedTests']}, "
+        f"pending {report['numPendingTests']}, total {report['numTotalTests']}"
+    )
+    failures = "\n".join(describe_failure(test) for test in failed[:MAX_FAILURES_LISTED])
+    if len(failed) > MAX_FAILURES_LISTED:
+        failures += f"\n... and {len(failed) - MAX_FAILURES_LISTED} more"
+    assert report["numFailedTests"] == 0 and report["numPassedTests"] == EXPECTED_PASSED, (
+        f"conformance: {summary} (expected {EXPECTED_PASSED} passed)\n"
+        f"full output: {output_path}\nfull report: {report_path}\n{failures}"
+    )
