@@ -6,16 +6,21 @@ per process, and both end themselves before `graceful_timeout`, so a restart let
 finish instead of cutting them.
 """
 
-import os
+from settings import Settings, SettingsError
 
-bind = os.environ.get("PICOMQ_BIND", "127.0.0.1:4437")
-workers = int(os.environ.get("PICOMQ_WORKERS", "1"))
+try:
+    # Validate in the master, before any worker forks: a typo stops the boot once, clearly.
+    settings = Settings.from_environment()
+except SettingsError as error:
+    raise SystemExit(f"picomq: invalid setting: {error}") from None
+
+bind = settings.bind
+workers = settings.workers
 worker_class = "gevent"
-worker_connections = int(os.environ.get("PICOMQ_WORKER_CONNECTIONS", "10000"))
+worker_connections = 10_000
 # The gevent worker notifies the arbiter every second even while requests wait, so
 # `timeout` only catches a worker whose event loop is truly stuck.
 timeout = 30
 graceful_timeout = 75
 keepalive = 75
 control_socket_disable = True
-accesslog = os.environ.get("PICOMQ_ACCESS_LOG") or None

@@ -296,6 +296,9 @@ def create_app(settings: Settings, store: StreamStore | None = None) -> Flask:
         views.dispatch,
         methods=["GET", "HEAD", "PUT", "POST", "DELETE", "OPTIONS"],
     )
+    from subscriptions import register_subscriptions  # here: it builds on this module
+
+    register_subscriptions(app, store)
 
     @app.after_request
     def add_common_headers(response: Response) -> Response:

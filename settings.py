@@ -30,7 +30,7 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _storage_url(text: str) -> str:
+def _non_empty(text: str) -> str:
     if not text.strip():
         raise ValueError("must not be empty")
     return text.strip()
@@ -46,9 +46,21 @@ class Setting:
 
 SETTINGS: tuple[Setting, ...] = (
     Setting(
+        "bind",
+        "127.0.0.1:4437",
+        _non_empty,
+        "Address gunicorn listens on (4437 is the protocol's default port).",
+    ),
+    Setting(
+        "workers",
+        "1",
+        _positive_int,
+        "gunicorn worker processes; one gevent worker per core is plenty (see README).",
+    ),
+    Setting(
         "storage_url",
         "./data",
-        _storage_url,
+        _non_empty,
         "Where streams are stored: a local directory or an fsspec URL such as s3://bucket/prefix.",
     ),
     Setting(
@@ -88,6 +100,8 @@ SETTINGS: tuple[Setting, ...] = (
 class Settings:
     """Validated values; build with `from_environment` so defaults live only in SETTINGS."""
 
+    bind: str
+    workers: int
     storage_url: str
     long_poll_timeout: float
     sse_max_duration: float

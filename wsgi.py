@@ -1,12 +1,17 @@
 """The entry gunicorn loads: settings from the environment, then the app.
 
 No monkey-patching here: gunicorn's gevent worker patches before it imports this.
+A bad PICOMQ_* value stops the boot with one line naming the variable.
 """
 
 import logging
 
 from picomq import create_app
-from settings import Settings
+from settings import Settings, SettingsError
 
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-app = create_app(Settings.from_environment())
+try:
+    settings = Settings.from_environment()
+except SettingsError as error:
+    raise SystemExit(f"picomq: invalid setting: {error}") from None
+app = create_app(settings)

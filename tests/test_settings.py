@@ -1,0 +1,43 @@
+"""Settings: declared once, validated at start, documented in the README's table."""
+
+from pathlib import Path
+
+import pytest
+
+from settings import SETTINGS, Settings, SettingsError
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def test_readme_table_matches_declared_settings() -> None:
+    rows = [line for line in README.read_text().splitlines() if line.startswith("| `PICOMQ_")]
+    expected = [f"| `PICOMQ_{s.name.upper()}` | `{s.default}` | {s.doc} |" for s in SETTINGS]
+    assert rows == expected
+
+
+def test_defaults_parse() -> None:
+    settings = Settings.from_environment({})
+    assert settings.storage_url == "./data"
+    assert settings.long_poll_timeout == 20.0
+    assert settings.workers == 1
+
+
+def test_fractional_long_poll_timeout_is_accepted() -> None:
+    assert Settings.from_environment({"PICOMQ_LONG_POLL_TIMEOUT": "0.5"}).long_poll_timeout == 0.5
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("PICOMQ_LONG_POLL_TIMEOUT", "abc"),
+        ("PICOMQ_LONG_POLL_TIMEOUT", "-1"),
+        ("PICOMQ_LONG_POLL_TIMEOUT", "inf"),
+        ("PICOMQ_LONG_POLL_TIMEOUT", "nan"),
+        ("PICOMQ_MAX_REQUEST_BYTES", "0"),
+        ("PICOMQ_WORKERS", "two"),
+        ("PICOMQ_STORAGE_URL", "  "),
+    ],
+)
+def test_bad_values_name_the_variable(variable: str, value: str) -> None:
+    with pytest.raises(SettingsError, match=variable):
+        Settings.from_environment({variable: value})
