@@ -277,16 +277,25 @@ def empty_body(info: StreamInfo) -> bytes:
 # -- the app ----------------------------------------------------------------------
 
 
+def create_store(settings: Settings) -> StreamStore:
+    """Object stores bill per request: check them less often than a local disk."""
+    objects = ObjectStore(settings.storage_url)
+    local = objects.is_local
+    store_settings = StoreSettings(
+        max_read_bytes=settings.max_read_bytes,
+        poll_interval=settings.poll_interval or (0.05 if local else 1.0),
+        recheck_interval=0.0 if local else 1.0,
+    )
+    return StreamStore(objects, store_settings)
+
+
 def create_app(settings: Settings, store: StreamStore | None = None) -> Flask:
     app = Flask(__name__)
     app.response_class = Response
     app.config["MAX_CONTENT_LENGTH"] = settings.max_request_bytes
     app.url_map.merge_slashes = False
     app.url_map.strict_slashes = False
-    store = store or StreamStore(
-        ObjectStore(settings.storage_url),
-        StoreSettings(max_read_bytes=settings.max_read_bytes, poll_interval=settings.poll_interval),
-    )
+    store = store or create_store(settings)
     app.extensions["picomq.store"] = store
     views = StreamViews(store, settings)
 

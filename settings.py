@@ -30,6 +30,10 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _auto_or_positive_float(text: str) -> float | None:
+    return None if text.strip() == "auto" else _positive_float(text)
+
+
 def _non_empty(text: str) -> str:
     if not text.strip():
         raise ValueError("must not be empty")
@@ -89,9 +93,10 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "poll_interval",
-        "0.05",
-        _positive_float,
-        "Seconds between checks for appends made by other processes while readers wait.",
+        "auto",
+        _auto_or_positive_float,
+        "Seconds between checks for appends made by other processes while readers wait"
+        " (auto: 0.05 on local disk, 1 on object stores, where each check is a request).",
     ),
 )
 
@@ -107,7 +112,7 @@ class Settings:
     sse_max_duration: float
     max_request_bytes: int
     max_read_bytes: int
-    poll_interval: float
+    poll_interval: float | None
 
     @staticmethod
     def from_environment(environment: Mapping[str, str] = os.environ) -> Settings:

@@ -183,6 +183,7 @@ class ReadResult:
 class StoreSettings:
     max_read_bytes: int = 4 * 1024 * 1024
     poll_interval: float = 0.05
+    recheck_interval: float = 0.0
     cached_streams: int = 10_000
 
 
@@ -268,6 +269,9 @@ class _Stream:
     waiters: int = 0
     polling: bool = False
     last_access: float = 0.0
+    touched_at: float = 0.0
+    checked_at: float = 0.0
+    gone: bool = False
 
     @property
     def prefix(self) -> str:
@@ -327,17 +331,41 @@ class StreamStore:
 
     def _open(self, path: str, *, touch: bool = False) -> _Stream:
         """The live handle of a stream, checked against storage (the only truth)."""
-        stream = self._current_handle(path)
-        if self.objects.exists(f"{stream.prefix}/gone"):
+        stream = self._checked_handle(path)
+        if stream.gone:
             raise StreamGone(f"stream {path} was deleted")
         if self._expired(stream):
             if self._retire(stream):
                 raise StreamGone(f"stream {path} expired while forks still read it")
             raise StreamNotFound(f"stream {path} not found")
         if touch and stream.config.ttl is not None:
-            stream.last_access = time.time()
-            self.objects.touch(f"{stream.prefix}/touched")
+            self._touch(stream)
         return stream
+
+    def _checked_handle(self, path: str) -> _Stream:
+        """The cached handle, re-validated against storage once per `recheck_interval`.
+
+        On local disk the interval is 0 (a stat is cheap); on object stores a delete
+        or re-create made through another node is seen within the interval.
+        """
+        stream = self._streams.get(path)
+        now = time.monotonic()
+        if stream is not None and now - stream.checked_at < self.settings.recheck_interval:
+            self._streams.move_to_end(path)
+            return stream
+        stream = self._current_handle(path)
+        stream.gone = stream.gone or self.objects.exists(f"{stream.prefix}/gone")
+        stream.checked_at = now
+        return stream
+
+    def _touch(self, stream: _Stream) -> None:
+        """Renew a sliding TTL; the marker object is rewritten at most once per interval."""
+        now = time.time()
+        stream.last_access = now
+        interval = min(self.settings.recheck_interval, stream.config.ttl / 4)
+        if now - stream.touched_at >= interval:
+            stream.touched_at = now
+            self.objects.touch(f"{stream.prefix}/touched")
 
     def _current_handle(self, path: str) -> _Stream:
         identity = self.objects.identity(_meta_key(path))
@@ -397,8 +425,12 @@ class StreamStore:
             return True
         if config.ttl is None:
             return False
+        if now < stream.last_access + config.ttl:
+            return False
+        # Our own record says expired; another process may have used it since.
         touched = self.objects.modified(f"{stream.prefix}/touched") or 0.0
-        return now >= max(stream.last_access, touched) + config.ttl
+        stream.last_access = max(stream.last_access, touched)
+        return now >= stream.last_access + config.ttl
 
     # -- segments -----------------------------------------------------------------------
 
@@ -832,6 +864,7 @@ class StreamStore:
                 self.objects.create(f"{stream.prefix}/gone", b"")
             except FileExistsError:
                 pass
+            stream.gone = True
             return True
         self._erase(stream)
         return False
