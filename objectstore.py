@@ -132,6 +132,20 @@ class ObjectStore:
         else:
             self._guarded(self.filesystem.rm_file, self.path(key))
 
+    def delete_many(self, keys: list[str]) -> None:
+        """Remove several objects (batched on S3); missing ones are not an error."""
+        if self.is_local:
+            for key in keys:
+                try:
+                    os.unlink(self.path(key))
+                except FileNotFoundError:
+                    pass
+            return
+        try:
+            self._guarded(self.filesystem.rm, [self.path(key) for key in keys])
+        except FileNotFoundError:
+            pass
+
     def touch(self, key: str) -> None:
         """Record "used now" on a marker object (sliding TTL), creating it if needed."""
         if self.is_local:

@@ -49,6 +49,7 @@ from storage import (
 log = logging.getLogger("picomq")
 
 STREAM_PREFIX = "/v1/stream/"
+RESERVED_PREFIX = "__ds"
 MAX_PATH_BYTES = 1024
 MAX_PATH_DEPTH = 32
 MAX_SAFE_INTEGER = 2**53 - 1
@@ -344,6 +345,8 @@ class StreamViews:
             "DELETE": self.delete,
             "OPTIONS": self.preflight,
         }
+        if path.split("/", 1)[0] == RESERVED_PREFIX:
+            return error_response(404, "not_found", f"{RESERVED_PREFIX}/ paths are reserved")
         try:
             return handlers[request.method](parse_stream_path(path))
         except BadRequest as error:

@@ -35,7 +35,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from datetime import datetime
-from urllib.parse import quote
+from urllib.parse import quote, unquote
 
 import gevent
 import orjson
@@ -185,6 +185,10 @@ class StoreSettings:
     poll_interval: float = 0.05
     recheck_interval: float = 0.0
     cached_streams: int = 10_000
+    compact_after: int = 64
+    compact_max_segments: int = 1024
+    compact_grace: float = 600.0
+    index_max_age: float = 60.0
 
 
 # -- stream configuration (meta.json) ----------------------------------------------
@@ -262,7 +266,11 @@ class _Stream:
     base: int
     source: _Stream | None
     starts: list[int] = field(default_factory=list)
+    keys: dict[int, str] = field(default_factory=dict)
     segments: dict[int, SegmentIndex] = field(default_factory=dict)
+    indexed_at: float = 0.0
+    unpacked: int = 0
+    compacting: bool = False
     changed: Event = field(default_factory=Event)
     pending: list[_Pending] = field(default_factory=list)
     writing: bool = False
@@ -283,6 +291,13 @@ class _Stream:
 
     def segment_key(self, position: int) -> str:
         return f"{self.prefix}/seg/{segment_name(position)}"
+
+    def pack_key(self, start: int, end: int) -> str:
+        return f"{self.prefix}/pack/{segment_name(start)}-{segment_name(end)}"
+
+    def piece_key(self, start: int) -> str:
+        """The object holding the data at `start`: a pack once compacted, else the segment."""
+        return self.keys.get(start) or self.segment_key(start)
 
     def info(self) -> StreamInfo:
         config = self.config
@@ -340,7 +355,7 @@ class StreamStore:
             raise StreamNotFound(f"stream {path} not found")
         if touch and stream.config.ttl is not None:
             self._touch(stream)
-        return stream
+        return self._fresh(stream)
 
     def _checked_handle(self, path: str) -> _Stream:
         """The cached handle, re-validated against storage once per `recheck_interval`.
@@ -389,18 +404,61 @@ class StreamStore:
             base = config.fork.point
         stream = _Stream(config, identity, StreamState(tail=base), base, source)
         stream.last_access = config.created_at
-        names = self.objects.list(f"{stream.prefix}/seg")
-        stream.starts = sorted(int(name) for name in names if name.isdigit())
-        if stream.starts:
-            stream.state = self._read_segment(stream, stream.starts[-1])[1]
+        self._index(stream)
         self._remember(path, stream)
+        return stream
+
+    def _index(self, stream: _Stream) -> None:
+        """List a stream's segments and packs and read its state from the last one.
+
+        A pack replaces the segments it covers; where two packs overlap (two nodes
+        compacted at once) the first one wins and the other is simply not used.
+        """
+        packs = sorted(
+            (int(start), int(end))
+            for start, _, end in (
+                name.partition("-") for name in self.objects.list(f"{stream.prefix}/pack")
+            )
+            if start.isdigit() and end.isdigit()
+        )
+        names = self.objects.list(f"{stream.prefix}/seg")
+        segment_starts = sorted(int(name) for name in names if name.isdigit())
+        starts, keys, covered, covered_to = [], {}, [], -1
+        pieces = sorted([(start, end, True) for start, end in packs] + [
+            (start, start, False) for start in segment_starts
+        ])  # fmt: skip
+        for start, end, is_pack in pieces:
+            if start < covered_to:
+                if not is_pack:
+                    covered.append(stream.segment_key(start))
+                continue
+            starts.append(start)
+            if is_pack:
+                keys[start] = stream.pack_key(start, end)
+                covered_to = end
+        stream.starts, stream.keys, stream.segments = starts, keys, {}
+        stream.unpacked = len(starts) - len(keys)
+        stream.indexed_at = time.monotonic()
+        if starts:
+            stream.state = self._read_segment(stream, starts[-1])[1]
+        if covered:
+            gevent.spawn_later(self.settings.compact_grace, self._delete_quietly, covered)
+
+    def _fresh(self, stream: _Stream) -> _Stream:
+        """Re-list an index older than `index_max_age`: compaction may have moved its data.
+
+        Compaction deletes a segment only `compact_grace` after packing it, far longer
+        than an index may age, so no reader or writer ever uses a deleted segment.
+        """
+        if time.monotonic() - stream.indexed_at > self.settings.index_max_age:
+            self._index(stream)
         return stream
 
     def _source_handle(self, fork: ForkOrigin) -> _Stream:
         """A fork's source, by incarnation: soft-deleted and expired sources still serve."""
         stream = self._streams.get(fork.source)
         if stream is not None and stream.config.incarnation == fork.source_incarnation:
-            return stream
+            return self._fresh(stream)
         identity = self.objects.identity(_meta_key(fork.source))
         stream = self._load(fork.source, identity)
         if stream.config.incarnation != fork.source_incarnation:
@@ -435,7 +493,7 @@ class StreamStore:
     # -- segments -----------------------------------------------------------------------
 
     def _read_segment(self, stream: _Stream, start: int) -> tuple[SegmentIndex, StreamState]:
-        key = stream.segment_key(start)
+        key = stream.piece_key(start)
         head = self.objects.read(key, 0, HEADER_PROBE_BYTES)
         length = header_length(head)
         if length > len(head):
@@ -639,6 +697,7 @@ class StreamStore:
                 continue
             stream.notify()
             self._announce(stream.info())
+            self._maybe_compact(stream)
             break
         else:
             raise StorageUnavailable("too many concurrent writers on this stream; retry")
@@ -714,6 +773,73 @@ class StreamStore:
         if producer is None and request.payload is None and request.close:
             return AppendResult(_info(stream, state), duplicate=True)
         raise StreamClosed(state.tail)
+
+    # -- compaction -----------------------------------------------------------------
+
+    def _maybe_compact(self, stream: _Stream) -> None:
+        if stream.unpacked > self.settings.compact_after and not stream.compacting:
+            stream.compacting = True
+            gevent.spawn(self._compact, stream)
+
+    def _compact(self, stream: _Stream) -> None:
+        """Merge a run of small segments into one pack covering the same offsets.
+
+        The pack is written create-only (two nodes packing the same run write the
+        same bytes; one wins). The originals stay for `compact_grace` so that readers
+        and writers holding an older index never miss them; a writer that still knew
+        an old tail would otherwise find its segment name free again.
+        """
+        try:
+            run = self._unpacked_run(stream)
+            if len(run) < 2:
+                return
+            headers = [self._read_segment(stream, start) for start in run]
+            payload = b"".join(
+                self.objects.read(stream.piece_key(index.start), index.payload_position)
+                for index, _ in headers
+            )
+            end, state = headers[-1][0].end, headers[-1][1]
+            appends = [end for index, _ in headers for end in index.append_ends]
+            messages = [end for index, _ in headers for end in index.message_ends]
+            pack = stream.pack_key(run[0], end)
+            try:
+                self.objects.create(pack, encode_segment(run[0], payload, appends, messages, state))
+            except FileExistsError:
+                pass
+            originals = [stream.segment_key(start) for start in run]
+            self._adopt_pack(stream, run, pack)
+            gevent.spawn_later(self.settings.compact_grace, self._delete_quietly, originals)
+        except (StorageUnavailable, FileNotFoundError, CorruptSegment) as error:
+            log.warning("compaction of %s postponed: %s", stream.config.path, error)
+        finally:
+            stream.compacting = False
+
+    def _unpacked_run(self, stream: _Stream) -> list[int]:
+        """Consecutive unpacked segments before the tail segment, oldest first."""
+        run: list[int] = []
+        for start in stream.starts[:-1]:
+            if start in stream.keys:
+                run = []
+                continue
+            run.append(start)
+            if len(run) == self.settings.compact_max_segments:
+                break
+        return run
+
+    @staticmethod
+    def _adopt_pack(stream: _Stream, run: list[int], pack: str) -> None:
+        first = bisect.bisect_left(stream.starts, run[0])
+        del stream.starts[first + 1 : first + len(run)]
+        for start in run:
+            stream.segments.pop(start, None)
+        stream.keys[run[0]] = pack
+        stream.unpacked -= len(run)
+
+    def _delete_quietly(self, keys: list[str]) -> None:
+        try:
+            self.objects.delete_many(keys)
+        except StorageUnavailable as error:
+            log.warning("could not delete %d compacted segments: %s", len(keys), error)
 
     # -- head, read, wait -----------------------------------------------------------
 
@@ -832,7 +958,7 @@ class StreamStore:
             index = self._segment(stream, stream.starts[position])
             if index.end > start:
                 length = min(end, index.end) - start
-                key = stream.segment_key(index.start)
+                key = stream.piece_key(index.start)
                 pieces.append((key, index.payload_position + start - index.start, length))
                 start += length
             position += 1
@@ -851,6 +977,19 @@ class StreamStore:
                 yield held
             held = chunk
         yield held[:-1] + b"]"
+
+    # -- listing --------------------------------------------------------------------------
+
+    def paths(self) -> Iterator[str]:
+        """Every stream path on storage (deleted ones may linger: `head` what you use)."""
+        for key in self.objects.list("streams"):
+            if not key.startswith("~"):
+                yield unquote(key)
+                continue
+            try:
+                yield StreamConfig.from_json(self.objects.read(f"streams/{key}/meta.json")).path
+            except (FileNotFoundError, orjson.JSONDecodeError):
+                continue
 
     # -- delete ---------------------------------------------------------------------------
 
@@ -907,6 +1046,7 @@ def _add_start(stream: _Stream, start: int) -> None:
     position = bisect.bisect_left(stream.starts, start)
     if position == len(stream.starts) or stream.starts[position] != start:
         stream.starts.insert(position, start)
+        stream.unpacked += 1
 
 
 def _info(stream: _Stream, state: StreamState) -> StreamInfo:

@@ -1,0 +1,685 @@
+"""The reserved subscription APIs (`/v1/stream/__ds/...`) against a real PicoMQ.
+
+Webhooks go to a small HTTP receiver in this process on 127.0.0.1; signatures are checked
+with the public key from the server's JWKS. Each test uses its own subscription ids and
+stream prefix, so tests share the session server.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import queue
+import re
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING
+
+import pytest
+import requests
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import (
+    Ed25519PrivateKey,
+    Ed25519PublicKey,
+)
+
+from subscriptions import (
+    WebhookSigner,
+    WebhookUrlRejected,
+    check_webhook_url,
+    matches,
+    retry_delay,
+)
+
+if TYPE_CHECKING:
+    from conftest import Server, StartServer
+
+WAIT_SECONDS = 10.0
+SIGNATURE = re.compile(r"t=(\d+),kid=([^,]+),ed25519=([A-Za-z0-9_-]+)")
+JSON = {"Content-Type": "application/json"}
+
+
+# -- a webhook receiver -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Delivery:
+    body: dict
+    raw: bytes
+    signature: str
+
+
+class Receiver:
+    """Records every POST; answers with `replies` in turn (the last one repeats)."""
+
+    def __init__(self, replies: list[tuple[int, dict]]) -> None:
+        self.replies = list(replies)
+        self.deliveries: queue.Queue[Delivery] = queue.Queue()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (the http.server API)
+                raw = self.rfile.read(int(self.headers["Content-Length"]))
+                signature = self.headers.get("Webhook-Signature", "")
+                receiver.deliveries.put(Delivery(json.loads(raw), raw, signature))
+                status, reply = receiver.replies[0]
+                if len(receiver.replies) > 1:
+                    receiver.replies.pop(0)
+                data = json.dumps(reply).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}/webhook"
+        self.thread = threading.Thread(target=self.http.serve_forever, daemon=True)
+        self.thread.start()
+
+    def next(self) -> Delivery:
+        try:
+            return self.deliveries.get(timeout=WAIT_SECONDS)
+        except queue.Empty:
+            pytest.fail(f"no webhook delivery within {WAIT_SECONDS} s")
+
+    def close(self) -> None:
+        self.http.shutdown()
+        self.http.server_close()
+
+
+@pytest.fixture
+def make_receiver() -> Iterator[Callable[..., Receiver]]:
+    receivers: list[Receiver] = []
+
+    def make(*replies: tuple[int, dict]) -> Receiver:
+        receiver = Receiver(list(replies) or [(200, {})])
+        receivers.append(receiver)
+        return receiver
+
+    yield make
+    for receiver in receivers:
+        receiver.close()
+
+
+# -- helpers ---------------------------------------------------------------------------
+
+
+def sub_url(server: Server, subscription_id: str, tail: str = "") -> str:
+    return server.stream_url(f"__ds/subscriptions/{subscription_id}{tail}")
+
+
+def unique(name: str) -> str:
+    return f"{name}-{uuid.uuid4().hex[:10]}"
+
+
+def put_subscription(server: Server, subscription_id: str, **config: object) -> requests.Response:
+    return requests.put(sub_url(server, subscription_id), json=config, timeout=10)
+
+
+def create_stream(server: Server, path: str, *messages: dict) -> None:
+    body = json.dumps(list(messages))
+    response = requests.put(server.stream_url(path), data=body, headers=JSON, timeout=10)
+    assert response.status_code == 201, response.text
+
+
+def append(server: Server, path: str, message: dict) -> str:
+    response = requests.post(server.stream_url(path), json=message, timeout=10)
+    assert response.status_code in (200, 204), response.text
+    return response.headers["Stream-Next-Offset"]
+
+
+def get_subscription(server: Server, subscription_id: str) -> dict:
+    response = requests.get(sub_url(server, subscription_id), timeout=10)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def wait_until(predicate: Callable[[], object], what: str) -> object:
+    deadline = time.monotonic() + WAIT_SECONDS
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def acked_offsets(server: Server, subscription_id: str) -> dict[str, str]:
+    streams = get_subscription(server, subscription_id)["streams"]
+    return {stream["path"]: stream["acked_offset"] for stream in streams}
+
+
+def verify_signature(server: Server, delivery: Delivery) -> str:
+    """Check the Ed25519 signature against the server's JWKS; returns the kid."""
+    match = SIGNATURE.fullmatch(delivery.signature)
+    assert match, delivery.signature
+    timestamp, kid, signature = match.groups()
+    keys = requests.get(server.stream_url("__ds/jwks.json"), timeout=10).json()["keys"]
+    [key] = [key for key in keys if key["kid"] == kid]
+    public_key = Ed25519PublicKey.from_public_bytes(decode_base64url(key["x"]))
+    public_key.verify(decode_base64url(signature), f"{timestamp}.".encode() + delivery.raw)
+    return kid
+
+
+def decode_base64url(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def error_code(response: requests.Response) -> str:
+    assert response.headers["Content-Type"].startswith("application/json"), response.text
+    return response.json()["error"]["code"]
+
+
+def callback(delivery: Delivery, acks: list[dict], done: bool, token: str | None = None):
+    body = delivery.body
+    headers = {"Authorization": f"Bearer {token or body['callback_token']}"}
+    payload = {"wake_id": body["wake_id"], "generation": body["generation"], "acks": acks,
+               "done": done}  # fmt: skip
+    return requests.post(body["callback_url"], json=payload, headers=headers, timeout=10)
+
+
+def tail_of(delivery: Delivery, path: str) -> str:
+    [stream] = [stream for stream in delivery.body["streams"] if stream["path"] == path]
+    return stream["tail_offset"]
+
+
+# -- pure functions ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("pattern", "path", "expected"),
+    [
+        ("events/*", "events/a", True),
+        ("events/*", "events/a/b", False),
+        ("events/*", "events", False),
+        ("events/**", "events", True),
+        ("events/**", "events/a/b/c", True),
+        ("**/log", "log", True),
+        ("**/log", "a/b/log", True),
+        ("**/log", "a/b/logs", False),
+        ("a/*/c", "a/b/c", True),
+        ("a/*/c", "a/b/x/c", False),
+        ("events/sync-*", "events/sync-1", True),
+        ("events/sync-*", "events/async-1", False),
+        ("a.b/*", "aXb/c", False),
+    ],
+)
+def test_glob_segments(pattern: str, path: str, expected: bool) -> None:
+    assert matches(pattern, path) is expected
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://127.0.0.1:8080/hook",
+        "http://127.9.8.7/hook",
+        "http://localhost:3000/hook",
+        "https://localhost/hook",
+        "http://[::1]:8080/hook",
+        "https://93.184.216.34/hook",
+    ],
+)
+def test_webhook_urls_allowed(url: str) -> None:
+    check_webhook_url(url)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://10.0.0.1/hook",
+        "https://10.0.0.1/hook",
+        "https://172.16.5.4/hook",
+        "https://192.168.1.1/hook",
+        "https://169.254.169.254/latest/meta-data",
+        "http://169.254.169.254/latest/meta-data",
+        "https://[fe80::1]/hook",
+        "https://[fd00::1]/hook",
+        "https://[::ffff:10.0.0.1]/hook",
+        "https://0.0.0.0/hook",
+        "https://224.0.0.1/hook",
+        "http://example.com/hook",
+        "ftp://127.0.0.1/hook",
+        "file:///etc/passwd",
+        "http://user:secret@127.0.0.1/hook",
+        "http://127.0.0.1:99999/hook",
+        "not a url",
+        "",
+    ],
+)
+def test_webhook_urls_rejected(url: str) -> None:
+    with pytest.raises(WebhookUrlRejected):
+        check_webhook_url(url)
+
+
+def test_retry_delay_backs_off_to_a_minute_with_jitter() -> None:
+    delays = [retry_delay(attempt) for attempt in range(12)]
+    assert 0.8 <= delays[0] <= 1.2
+    assert 1.6 <= delays[1] <= 2.4
+    assert all(48 <= delay <= 72 for delay in delays[6:])
+
+
+def test_signer_signs_timestamp_and_body() -> None:
+    signer = WebhookSigner(Ed25519PrivateKey.generate())
+    header = signer.sign(b'{"a":1}', 1700000000)
+    timestamp, kid, signature = SIGNATURE.fullmatch(header).groups()
+    assert (timestamp, kid) == ("1700000000", signer.kid)
+    assert kid.startswith("ds_")
+    public_key = Ed25519PublicKey.from_public_bytes(decode_base64url(signer.jwk()["x"]))
+    public_key.verify(decode_base64url(signature), b'1700000000.{"a":1}')
+    with pytest.raises(InvalidSignature):
+        public_key.verify(decode_base64url(signature), b'1700000001.{"a":1}')
+
+
+# -- HTTP ----------------------------------------------------------------------------------
+
+
+def test_jwks_is_an_ed25519_key_set(server: Server) -> None:
+    response = requests.get(server.stream_url("__ds/jwks.json"), timeout=10)
+    assert response.status_code == 200
+    assert response.headers["Content-Type"].startswith("application/jwk-set+json")
+    [key] = response.json()["keys"]
+    assert (key["kty"], key["crv"], key["alg"], key["use"]) == ("OKP", "Ed25519", "EdDSA", "sig")
+    assert key["kid"].startswith("ds_")
+    assert len(decode_base64url(key["x"])) == 32
+    assert "d" not in key
+
+
+def test_create_confirm_conflict_get_delete(server: Server, make_receiver) -> None:
+    receiver = make_receiver()
+    subscription_id = unique("sub")
+    config = {"type": "webhook", "pattern": f"{unique('p')}/*", "webhook": {"url": receiver.url},
+              "lease_ttl_ms": 1000, "description": "test"}  # fmt: skip
+    created = put_subscription(server, subscription_id, **config)
+    assert created.status_code == 201, created.text
+    body = created.json()
+    assert "webhook_secret" not in body and "webhook_secret" not in body["webhook"]
+    signing = body["webhook"]["signing"]
+    assert signing["alg"] == "ed25519" and signing["kid"].startswith("ds_")
+    assert signing["jwks_url"] == server.stream_url("__ds/jwks.json")
+
+    assert put_subscription(server, subscription_id, **config).status_code == 200
+    assert (
+        put_subscription(server, subscription_id, **{**config, "pattern": "x/*"}).status_code == 409
+    )
+    got = get_subscription(server, subscription_id)
+    assert (got["id"], got["type"], got["webhook"]["url"]) == (
+        subscription_id,
+        "webhook",
+        receiver.url,
+    )
+    assert (got["lease_ttl_ms"], got["description"], got["status"]) == (1000, "test", "active")
+
+    assert requests.delete(sub_url(server, subscription_id), timeout=10).status_code == 204
+    missing = requests.get(sub_url(server, subscription_id), timeout=10)
+    assert (missing.status_code, error_code(missing)) == (404, "SUBSCRIPTION_NOT_FOUND")
+    assert put_subscription(server, subscription_id, **config).status_code == 201
+
+
+@pytest.mark.parametrize(
+    "url", ["http://10.0.0.1/hook", "http://169.254.169.254/", "gopher://127.0.0.1/", "http://x.y/"]
+)
+def test_unsafe_webhook_url_is_rejected(server: Server, url: str) -> None:
+    response = put_subscription(
+        server, unique("sub"), type="webhook", pattern="events/*", webhook={"url": url}
+    )
+    assert (response.status_code, error_code(response)) == (400, "WEBHOOK_URL_REJECTED")
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"{not json",
+        b"[]",
+        b'{"type": "push", "pattern": "a/*"}',
+        b'{"type": "webhook", "webhook": {"url": "http://127.0.0.1/"}}',
+        b'{"type": "webhook", "pattern": "a/*"}',
+        b'{"type": "pull-wake", "pattern": "a/*"}',
+        b'{"type": "pull-wake", "pattern": "a/*", "wake_stream": "w", "lease_ttl_ms": 5}',
+        b'{"type": "pull-wake", "pattern": "a/*", "wake_stream": "w", "lease_ttl_ms": true}',
+        b'{"type": "pull-wake", "pattern": "../*", "wake_stream": "w"}',
+        b'{"type": "pull-wake", "pattern": "__ds/*", "wake_stream": "w"}',
+        b'{"type": "pull-wake", "streams": ["a", 3], "wake_stream": "w"}',
+        b'{"type": "pull-wake", "streams": ["w"], "wake_stream": "w"}',
+    ],
+)
+def test_bad_subscription_bodies_get_400(server: Server, body: bytes) -> None:
+    response = requests.put(sub_url(server, unique("sub")), data=body, headers=JSON, timeout=10)
+    assert (response.status_code, error_code(response)) == (400, "INVALID_REQUEST")
+
+
+def test_bad_requests_get_json_4xx(server: Server) -> None:
+    bad_id = requests.get(sub_url(server, "-bad-id"), timeout=10)
+    assert (bad_id.status_code, error_code(bad_id)) == (400, "INVALID_REQUEST")
+    missing = requests.post(sub_url(server, unique("none"), "/claim"), json={"worker": "w"})
+    assert (missing.status_code, error_code(missing)) == (404, "SUBSCRIPTION_NOT_FOUND")
+    wrong_method = requests.post(sub_url(server, unique("sub")), json={}, timeout=10)
+    assert (wrong_method.status_code, error_code(wrong_method)) == (405, "METHOD_NOT_ALLOWED")
+    jwks_put = requests.put(server.stream_url("__ds/jwks.json"), timeout=10)
+    assert jwks_put.status_code == 405
+
+
+def test_webhook_delivery_is_signed_and_done_reply_acks(server: Server, make_receiver) -> None:
+    receiver = make_receiver((200, {"done": True}))
+    subscription_id, prefix = unique("sub"), unique("events")
+    created = put_subscription(
+        server, subscription_id, type="webhook", pattern=f"{prefix}/*",
+        webhook={"url": receiver.url}, lease_ttl_ms=1000,
+    )  # fmt: skip
+    assert created.status_code == 201
+    path = f"{prefix}/orders"
+    create_stream(server, path, {"event": "created"})
+
+    delivery = receiver.next()
+    assert verify_signature(server, delivery) == created.json()["webhook"]["signing"]["kid"]
+    body = delivery.body
+    assert body["subscription_id"] == subscription_id
+    assert body["callback_url"] == sub_url(server, subscription_id, "/callback")
+    assert body["wake_id"] and body["callback_token"] and body["generation"] >= 1
+    [stream] = body["streams"]
+    assert (stream["path"], stream["link_type"], stream["has_pending"]) == (path, "glob", True)
+    assert stream["acked_offset"] == "-1"
+    wait_until(
+        lambda: acked_offsets(server, subscription_id)[path] == stream["tail_offset"],
+        "the done reply to acknowledge the tail",
+    )
+
+
+def test_webhook_callback_acks_and_fences(server: Server, make_receiver) -> None:
+    receiver = make_receiver((200, {}))
+    subscription_id, prefix = unique("sub"), unique("events")
+    put_subscription(server, subscription_id, type="webhook", pattern=f"{prefix}/*",
+                     webhook={"url": receiver.url}, lease_ttl_ms=60_000)  # fmt: skip
+    path = f"{prefix}/a"
+    create_stream(server, path, {"n": 1})
+    first = receiver.next()
+    tail = tail_of(first, path)
+
+    unauthenticated = requests.post(first.body["callback_url"], json={}, timeout=10)
+    assert (unauthenticated.status_code, error_code(unauthenticated)) == (401, "TOKEN_INVALID")
+    forged = callback(first, [], False, token=first.body["callback_token"] + "x")
+    assert (forged.status_code, error_code(forged)) == (401, "TOKEN_INVALID")
+    unlinked = callback(first, [{"stream": f"{prefix}/other", "offset": tail}], False)
+    assert (unlinked.status_code, error_code(unlinked)) == (409, "INVALID_OFFSET")
+    beyond = callback(
+        first, [{"stream": path, "offset": "0000000000000000_0000000099999999"}], False
+    )
+    assert (beyond.status_code, error_code(beyond)) == (409, "INVALID_OFFSET")
+    heartbeat = callback(first, [], False)
+    assert heartbeat.json() == {"ok": True, "next_wake": False}
+
+    # New data while the wake is out: acking only the first tail leaves work, so a new
+    # wake (next generation) follows the done callback.
+    append(server, path, {"n": 2})
+    done = callback(first, [{"stream": path, "offset": tail}], True)
+    assert (done.status_code, done.json()) == (200, {"ok": True, "next_wake": True})
+    assert acked_offsets(server, subscription_id)[path] == tail
+    second = receiver.next()
+    assert second.body["generation"] > first.body["generation"]
+    assert second.body["wake_id"] != first.body["wake_id"]
+
+    stale = callback(first, [{"stream": path, "offset": tail}], True)
+    assert (stale.status_code, error_code(stale)) == (409, "FENCED")
+    regress = callback(second, [{"stream": path, "offset": "0000000000000000_0000000000000000"}],
+                       False)  # fmt: skip
+    assert (regress.status_code, error_code(regress)) == (409, "INVALID_OFFSET")
+    final = callback(second, [{"stream": path, "offset": tail_of(second, path)}], True)
+    assert final.json() == {"ok": True, "next_wake": False}
+
+
+def test_webhook_retries_after_a_failed_delivery(server: Server, make_receiver) -> None:
+    receiver = make_receiver((500, {}), (200, {"done": True}))
+    subscription_id, prefix = unique("sub"), unique("events")
+    put_subscription(server, subscription_id, type="webhook", pattern=f"{prefix}/*",
+                     webhook={"url": receiver.url})  # fmt: skip
+    path = f"{prefix}/a"
+    create_stream(server, path, {"n": 1})
+    first, retry = receiver.next(), receiver.next()
+    assert retry.body["wake_id"] == first.body["wake_id"]
+    verify_signature(server, retry)
+    wait_until(
+        lambda: acked_offsets(server, subscription_id)[path] == tail_of(retry, path),
+        "the retried delivery to be acknowledged",
+    )
+    assert get_subscription(server, subscription_id)["status"] == "active"
+
+
+def test_explicit_streams_are_added_and_removed(server: Server, make_receiver) -> None:
+    receiver = make_receiver()
+    subscription_id, prefix = unique("sub"), unique("manual")
+    created = put_subscription(server, subscription_id, type="webhook",
+                               streams=[f"{prefix}/a"], webhook={"url": receiver.url})  # fmt: skip
+    assert created.status_code == 201
+    add = requests.post(sub_url(server, subscription_id, "/streams"),
+                        json={"streams": [f"{prefix}/b", f"{prefix}/c"]}, timeout=10)  # fmt: skip
+    assert add.status_code == 204
+    encoded = requests.utils.quote(f"{prefix}/b", safe="")
+    remove = requests.delete(sub_url(server, subscription_id, f"/streams/{encoded}"), timeout=10)
+    assert remove.status_code == 204
+    streams = get_subscription(server, subscription_id)["streams"]
+    assert [(s["path"], s["link_type"]) for s in streams] == [
+        (f"{prefix}/a", "explicit"),
+        (f"{prefix}/c", "explicit"),
+    ]
+    empty = requests.post(sub_url(server, subscription_id, "/streams"), json={"streams": []})
+    assert (empty.status_code, error_code(empty)) == (400, "INVALID_REQUEST")
+    missing = requests.post(sub_url(server, unique("none"), "/streams"), json={"streams": ["x"]})
+    assert (missing.status_code, error_code(missing)) == (404, "SUBSCRIPTION_NOT_FOUND")
+
+    # An explicitly linked stream wakes the subscription once it gets data.
+    create_stream(server, f"{prefix}/c", {"n": 1})
+    delivery = receiver.next()
+    assert [s["path"] for s in delivery.body["streams"] if s["has_pending"]] == [f"{prefix}/c"]
+
+
+def test_pattern_links_existing_streams_at_their_tail(server: Server, make_receiver) -> None:
+    receiver = make_receiver((200, {"done": True}))
+    prefix = unique("events")
+    create_stream(server, f"{prefix}/old", {"n": 1})
+    tail = append(server, f"{prefix}/old", {"n": 2})
+    subscription_id = unique("sub")
+    put_subscription(server, subscription_id, type="webhook", pattern=f"{prefix}/*",
+                     webhook={"url": receiver.url})  # fmt: skip
+    assert acked_offsets(server, subscription_id) == {f"{prefix}/old": tail}
+    new_tail = append(server, f"{prefix}/old", {"n": 3})
+    delivery = receiver.next()
+    [stream] = delivery.body["streams"]
+    assert (stream["acked_offset"], stream["tail_offset"]) == (tail, new_tail)
+
+
+def read_wake_events(server: Server, wake_stream: str, subscription_id: str) -> list[dict]:
+    events = requests.get(server.stream_url(wake_stream), timeout=10).json()
+    return [event for event in events if event["subscription_id"] == subscription_id]
+
+
+def claim(server: Server, subscription_id: str, worker: str) -> requests.Response:
+    return requests.post(sub_url(server, subscription_id, "/claim"), json={"worker": worker})
+
+
+def pull_request(server: Server, subscription_id: str, action: str, claimed: dict, **extra):
+    body = {"wake_id": claimed["wake_id"], "generation": claimed["generation"], **extra}
+    headers = {"Authorization": f"Bearer {claimed['token']}"}
+    return requests.post(sub_url(server, subscription_id, f"/{action}"), json=body,
+                         headers=headers, timeout=10)  # fmt: skip
+
+
+def test_pull_wake_claim_ack_release(server: Server) -> None:
+    subscription_id, prefix, wake_stream = unique("pull"), unique("events"), unique("wake/pool")
+    create_stream(server, wake_stream)
+    created = put_subscription(server, subscription_id, type="pull-wake", pattern=f"{prefix}/*",
+                               wake_stream=wake_stream, lease_ttl_ms=60_000)  # fmt: skip
+    assert created.status_code == 201
+    nothing = claim(server, subscription_id, "worker-1")
+    assert (nothing.status_code, error_code(nothing)) == (409, "NO_PENDING_WORK")
+
+    path = f"{prefix}/a"
+    create_stream(server, path, {"event": "created"})
+    [event] = wait_until(lambda: read_wake_events(server, wake_stream, subscription_id), "a wake")
+    assert (event["type"], event["stream"]) == ("wake", path)
+    assert isinstance(event["generation"], int) and isinstance(event["ts"], int)
+
+    first = claim(server, subscription_id, "worker-1")
+    assert first.status_code == 200, first.text
+    claimed = first.json()
+    assert (claimed["generation"], claimed["lease_ttl_ms"]) == (event["generation"], 60_000)
+    [stream] = claimed["streams"]
+    busy = claim(server, subscription_id, "worker-2")
+    assert (busy.status_code, error_code(busy)) == (409, "ALREADY_CLAIMED")
+    assert busy.json()["error"]["current_holder"] == "worker-1"
+
+    acks = [{"stream": path, "offset": stream["tail_offset"]}]
+    ack = pull_request(server, subscription_id, "ack", claimed, acks=acks, done=True)
+    assert (ack.status_code, ack.json()) == (200, {"ok": True, "next_wake": False})
+    assert acked_offsets(server, subscription_id)[path] == stream["tail_offset"]
+    stale = pull_request(server, subscription_id, "ack", claimed, acks=acks, done=True)
+    assert (stale.status_code, error_code(stale)) == (409, "FENCED")
+
+    append(server, path, {"event": "second"})
+    second = claim(server, subscription_id, "worker-1")
+    assert second.status_code == 200, second.text
+    claimed2 = second.json()
+    assert claimed2["generation"] > claimed["generation"]
+    old_release = pull_request(server, subscription_id, "release", claimed)
+    assert (old_release.status_code, error_code(old_release)) == (409, "FENCED")
+    release = pull_request(server, subscription_id, "release", claimed2)
+    assert release.status_code == 204
+    # Released with data still pending: the next wake is announced at once.
+    wait_until(
+        lambda: len(read_wake_events(server, wake_stream, subscription_id)) >= 3,
+        "a wake after release",
+    )
+    assert claim(server, subscription_id, "worker-2").status_code == 200
+
+
+def test_pull_wake_lease_expiry_fences_the_old_holder(server: Server) -> None:
+    subscription_id, prefix, wake_stream = unique("pull"), unique("events"), unique("wake")
+    create_stream(server, wake_stream)
+    put_subscription(server, subscription_id, type="pull-wake", pattern=f"{prefix}/*",
+                     wake_stream=wake_stream, lease_ttl_ms=1000)  # fmt: skip
+    create_stream(server, f"{prefix}/a", {"n": 1})
+    claimed = claim(server, subscription_id, "slow").json()
+    taken = wait_until(
+        lambda: (
+            (response := claim(server, subscription_id, "fast")).status_code == 200
+            and response.json()
+        ),
+        "the lease to expire",
+    )
+    assert taken["generation"] > claimed["generation"]
+    late = pull_request(server, subscription_id, "ack", claimed, done=True)
+    assert (late.status_code, error_code(late)) == (409, "FENCED")
+
+
+@pytest.fixture(params=["local", "s3"])
+def restartable_server(request: pytest.FixtureRequest, start_server: StartServer) -> Server:
+    """A PicoMQ of its own, on local disk or on a fresh bucket of the session's moto S3."""
+    if request.param == "local":
+        return start_server()
+    endpoint = request.getfixturevalue("moto_s3")
+    bucket = unique("subscriptions")
+    assert requests.put(f"{endpoint}/{bucket}", timeout=10).status_code == 200
+    env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}  # fmt: skip
+    return start_server(storage_url=f"s3://{bucket}/picomq", env=env)
+
+
+def test_subscriptions_survive_a_restart(restartable_server: Server, make_receiver) -> None:
+    server = restartable_server
+    receiver = make_receiver((200, {"done": True}))
+    webhook_id, pull_id = unique("sub"), unique("pull")
+    prefix, wake_stream = unique("events"), unique("wake")
+    create_stream(server, wake_stream)
+    webhook_config = {"type": "webhook", "pattern": f"{prefix}/*", "streams": ["manual/x"],
+                      "webhook": {"url": receiver.url}}  # fmt: skip
+    pull_config = {"type": "pull-wake", "pattern": f"{prefix}/*", "wake_stream": wake_stream}
+    assert put_subscription(server, webhook_id, **webhook_config).status_code == 201
+    assert put_subscription(server, pull_id, **pull_config).status_code == 201
+    path = f"{prefix}/a"
+    create_stream(server, path, {"n": 1})
+    delivered = receiver.next()
+    wait_until(lambda: acked_offsets(server, webhook_id)[path] != "-1", "the webhook ack")
+    claimed = claim(server, pull_id, "worker").json()
+    acks = [{"stream": path, "offset": tail_of(delivered, path)}]
+    assert pull_request(server, pull_id, "ack", claimed, acks=acks, done=True).status_code == 200
+    before = {sid: get_subscription(server, sid) for sid in (webhook_id, pull_id)}
+    kid = verify_signature(server, delivered)
+
+    server.restart()
+
+    after = {sid: get_subscription(server, sid) for sid in (webhook_id, pull_id)}
+    assert after == before
+    assert put_subscription(server, webhook_id, **webhook_config).status_code == 200
+    assert put_subscription(server, pull_id, **pull_config).status_code == 200
+    append(server, path, {"n": 2})
+    again = receiver.next()
+    assert verify_signature(server, again) == kid
+    assert again.body["generation"] > delivered.body["generation"]
+    assert [s["acked_offset"] for s in again.body["streams"] if s["path"] == path] == [
+        tail_of(delivered, path)
+    ]
+    reclaimed = claim(server, pull_id, "worker")
+    assert reclaimed.status_code == 200, reclaimed.text
+    assert reclaimed.json()["generation"] > claimed["generation"]
+
+
+def test_unlinking_explicitly_keeps_a_pattern_match(server: Server, make_receiver) -> None:
+    receiver = make_receiver((200, {"done": True}))
+    subscription_id, prefix = unique("sub"), unique("events")
+    path = f"{prefix}/a"
+    put_subscription(server, subscription_id, type="webhook", pattern=f"{prefix}/*",
+                     streams=[path], webhook={"url": receiver.url})  # fmt: skip
+    create_stream(server, path, {"n": 1})
+    tail = tail_of(receiver.next(), path)
+    wait_until(lambda: acked_offsets(server, subscription_id)[path] == tail, "the done ack")
+    encoded = requests.utils.quote(path, safe="")
+    assert (
+        requests.delete(sub_url(server, subscription_id, f"/streams/{encoded}")).status_code == 204
+    )
+    [stream] = get_subscription(server, subscription_id)["streams"]
+    assert (stream["link_type"], stream["acked_offset"]) == ("glob", tail)
+
+
+def test_a_recreated_stream_is_read_from_its_start(server: Server, make_receiver) -> None:
+    receiver = make_receiver((200, {"done": True}))
+    subscription_id, prefix = unique("sub"), unique("events")
+    path = f"{prefix}/a"
+    put_subscription(server, subscription_id, type="webhook", pattern=f"{prefix}/*",
+                     webhook={"url": receiver.url})  # fmt: skip
+    create_stream(server, path, {"n": 1}, {"n": 2})
+    first = receiver.next()
+    wait_until(lambda: acked_offsets(server, subscription_id)[path] != "-1", "the done ack")
+    assert requests.delete(server.stream_url(path), timeout=10).status_code == 204
+    create_stream(server, path, {"n": 1})
+    [stream] = receiver.next().body["streams"]
+    assert (stream["acked_offset"], stream["has_pending"]) == ("-1", True)
+    assert stream["tail_offset"] < tail_of(first, path)
+
+
+def test_preflight_allows_json_and_authorization(server: Server) -> None:
+    response = requests.options(sub_url(server, "any", "/callback"), timeout=10)
+    assert response.status_code == 204
+    assert "Authorization" in response.headers["Access-Control-Allow-Headers"]
+    assert response.headers["Access-Control-Allow-Origin"] == "*"
+
+
+def test_webhook_is_redelivered_when_its_lease_runs_out(server: Server, make_receiver) -> None:
+    receiver = make_receiver((200, {}))
+    subscription_id, prefix = unique("sub"), unique("events")
+    put_subscription(server, subscription_id, type="webhook", pattern=f"{prefix}/*",
+                     webhook={"url": receiver.url}, lease_ttl_ms=1000)  # fmt: skip
+    create_stream(server, f"{prefix}/a", {"n": 1})
+    first, second = receiver.next(), receiver.next()  # no callback: the lease expires
+    assert second.body["generation"] > first.body["generation"]
+    late = callback(first, [], True)
+    assert (late.status_code, error_code(late)) == (409, "FENCED")
+    done = callback(
+        second, [{"stream": f"{prefix}/a", "offset": tail_of(second, f"{prefix}/a")}], True
+    )
+    assert done.json() == {"ok": True, "next_wake": False}
