@@ -22,5 +22,5 @@ worker_connections = 10_000
 # `timeout` only catches a worker whose event loop is truly stuck.
 timeout = 30
 graceful_timeout = 75
-keepalive = 75
+keepalive = 5  # short: an idle keep-alive connection delays a graceful stop
 control_socket_disable = True

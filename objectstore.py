@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
@@ -27,6 +28,18 @@ from fsspec.implementations.local import LocalFileSystem
 T = TypeVar("T")
 
 READ_CHUNK_BYTES = 256 * 1024
+
+
+# Fail over to a 503 within seconds when the endpoint is down, instead of botocore's
+# default minute of retries; explicit s3fs options (FSSPEC_S3_*) still take precedence.
+S3_RETRIES = 2
+S3_DEFAULTS: dict[str, object] = {
+    "config_kwargs": {
+        "connect_timeout": 2,
+        "read_timeout": 15,
+        "retries": {"max_attempts": 2, "mode": "standard"},
+    },
+}
 
 
 class StorageUnavailable(Exception):
@@ -57,6 +70,36 @@ def _run_here(function: Callable[..., T], *args: object, **kwargs: object) -> T:
     return function(*args, **kwargs)
 
 
+class ObjectCache:
+    """Recently written or read immutable objects, least recently used out first.
+
+    Segments never change once written, so a cached copy is always right. Live
+    readers of a stream all want the segment that was just written: with the cache,
+    one write feeds any number of them without a storage request, and data already
+    read stays readable while the object store is down.
+    """
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.size_bytes = 0
+        self._objects: OrderedDict[str, bytes] = OrderedDict()
+
+    def get(self, key: str) -> bytes | None:
+        data = self._objects.get(key)
+        if data is not None:
+            self._objects.move_to_end(key)
+        return data
+
+    def put(self, key: str, data: bytes) -> None:
+        if len(data) > self.capacity_bytes // 8 or key in self._objects:
+            return
+        self._objects[key] = data
+        self.size_bytes += len(data)
+        while self.size_bytes > self.capacity_bytes:
+            _, evicted = self._objects.popitem(last=False)
+            self.size_bytes -= len(evicted)
+
+
 class ObjectStore:
     """Create-only objects under one root of an fsspec filesystem.
 
@@ -65,7 +108,12 @@ class ObjectStore:
     """
 
     def __init__(self, url: str) -> None:
-        filesystem, root = fsspec.core.url_to_fs(url)
+        options = {}
+        if url.startswith(("s3://", "s3a://")):
+            options = {**S3_DEFAULTS, **fsspec.config.conf.get("s3", {})}
+        filesystem, root = fsspec.core.url_to_fs(url, **options)
+        if options:
+            filesystem.retries = S3_RETRIES  # s3fs's own retry loop, on top of botocore's
         self.filesystem = filesystem
         self.is_local = isinstance(filesystem, LocalFileSystem)
         self.root = root.rstrip("/")

@@ -284,6 +284,7 @@ def create_store(settings: Settings) -> StreamStore:
     local = objects.is_local
     store_settings = StoreSettings(
         max_read_bytes=settings.max_read_bytes,
+        cache_bytes=settings.cache_bytes,
         poll_interval=settings.poll_interval or (0.05 if local else 1.0),
         recheck_interval=0.0 if local else 1.0,
     )

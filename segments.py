@@ -54,6 +54,7 @@ class SegmentIndex:
     payload_position: int
     append_ends: tuple[int, ...]
     message_ends: tuple[int, ...]
+    payload_crc: int | None = None
 
 
 def encode_segment(
@@ -102,6 +103,7 @@ def decode_header(head: bytes) -> tuple[SegmentIndex, StreamState]:
         payload_position=PREFIX.size + length,
         append_ends=tuple(fields["appends"]),
         message_ends=tuple(fields["messages"]),
+        payload_crc=fields.get("payload_crc"),
     )
     closer = fields["closer"]
     state = StreamState(
@@ -112,3 +114,12 @@ def decode_header(head: bytes) -> tuple[SegmentIndex, StreamState]:
         stream_seq=fields["stream_seq"],
     )
     return index, state
+
+
+def verify_payload(data: bytes, index: SegmentIndex) -> None:
+    """Check a whole segment: as long as its header says, and its payload checksum."""
+    payload = data[index.payload_position :]
+    if len(payload) != index.end - index.start:
+        raise CorruptSegment("segment payload is shorter or longer than its header says")
+    if index.payload_crc is not None and zlib.crc32(payload) != index.payload_crc:
+        raise CorruptSegment("segment payload checksum mismatch")

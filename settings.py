@@ -92,6 +92,12 @@ SETTINGS: tuple[Setting, ...] = (
         "Most bytes of stream data in one catch-up response; Stream-Next-Offset continues it.",
     ),
     Setting(
+        "cache_bytes",
+        str(64 * 1024 * 1024),
+        _positive_int,
+        "Bytes of recently written or read segments each worker keeps in memory.",
+    ),
+    Setting(
         "poll_interval",
         "auto",
         _auto_or_positive_float,
@@ -112,6 +118,7 @@ class Settings:
     sse_max_duration: float
     max_request_bytes: int
     max_read_bytes: int
+    cache_bytes: int
     poll_interval: float | None
 
     @staticmethod

@@ -41,7 +41,7 @@ import gevent
 import orjson
 from gevent.event import AsyncResult, Event
 
-from objectstore import ObjectStore, StorageUnavailable
+from objectstore import ObjectCache, ObjectStore, StorageUnavailable
 from segments import (
     HEADER_PROBE_BYTES,
     CorruptSegment,
@@ -50,6 +50,7 @@ from segments import (
     decode_header,
     encode_segment,
     header_length,
+    verify_payload,
 )
 
 __all__ = ["StorageUnavailable"]
@@ -185,6 +186,7 @@ class StoreSettings:
     poll_interval: float = 0.05
     recheck_interval: float = 0.0
     cached_streams: int = 10_000
+    cache_bytes: int = 64 * 1024 * 1024
     compact_after: int = 64
     compact_max_segments: int = 1024
     compact_grace: float = 600.0
@@ -267,7 +269,7 @@ class _Stream:
     source: _Stream | None
     starts: list[int] = field(default_factory=list)
     keys: dict[int, str] = field(default_factory=dict)
-    segments: dict[int, SegmentIndex] = field(default_factory=dict)
+    segments: dict[str, SegmentIndex] = field(default_factory=dict)  # by object key
     indexed_at: float = 0.0
     unpacked: int = 0
     compacting: bool = False
@@ -339,6 +341,7 @@ class StreamStore:
     def __init__(self, objects: ObjectStore, settings: StoreSettings | None = None) -> None:
         self.objects = objects
         self.settings = settings or StoreSettings()
+        self.cache = ObjectCache(self.settings.cache_bytes)
         self._streams: OrderedDict[str, _Stream] = OrderedDict()
         self.listeners: list[Callable[[StreamInfo], None]] = []
 
@@ -368,10 +371,15 @@ class StreamStore:
         if stream is not None and now - stream.checked_at < self.settings.recheck_interval:
             self._streams.move_to_end(path)
             return stream
-        stream = self._current_handle(path)
-        stream.gone = stream.gone or self.objects.exists(f"{stream.prefix}/gone")
-        stream.checked_at = now
-        return stream
+        try:
+            fresh = self._current_handle(path)
+            fresh.gone = fresh.gone or self.objects.exists(f"{fresh.prefix}/gone")
+        except StorageUnavailable:
+            if stream is None:
+                raise
+            return stream  # storage is down: what we already know still serves reads
+        fresh.checked_at = now
+        return fresh
 
     def _touch(self, stream: _Stream) -> None:
         """Renew a sliding TTL; the marker object is rewritten at most once per interval."""
@@ -439,8 +447,15 @@ class StreamStore:
         stream.starts, stream.keys, stream.segments = starts, keys, {}
         stream.unpacked = len(starts) - len(keys)
         stream.indexed_at = time.monotonic()
-        if starts:
-            stream.state = self._read_segment(stream, starts[-1])[1]
+        while starts:
+            try:
+                stream.state = self._read_segment(stream, starts[-1], whole=True)[1]
+                break
+            except CorruptSegment as error:
+                torn = starts[-1]
+                self._drop_torn(stream, torn, error)
+                starts.pop()
+                keys.pop(torn, None)
         if covered:
             gevent.spawn_later(self.settings.compact_grace, self._delete_quietly, covered)
 
@@ -492,18 +507,39 @@ class StreamStore:
 
     # -- segments -----------------------------------------------------------------------
 
-    def _read_segment(self, stream: _Stream, start: int) -> tuple[SegmentIndex, StreamState]:
+    def _read_segment(
+        self, stream: _Stream, start: int, *, whole: bool = False
+    ) -> tuple[SegmentIndex, StreamState]:
+        """Header (and state) of the piece at `start`; `whole` also checks its payload.
+
+        The last segment of a stream is read whole: it is the one a crash could have
+        torn, its state is the stream's, and readers will want its bytes next.
+        """
         key = stream.piece_key(start)
-        head = self.objects.read(key, 0, HEADER_PROBE_BYTES)
-        length = header_length(head)
-        if length > len(head):
-            head = self.objects.read(key, 0, length)
-        index, state = decode_header(head)
-        stream.segments[start] = index
+        data = self.cache.get(key)
+        if data is None:
+            data = (
+                self.objects.read(key) if whole else self.objects.read(key, 0, HEADER_PROBE_BYTES)
+            )
+        length = header_length(data)
+        if length > len(data):
+            data = self.objects.read(key, 0, length)
+        index, state = decode_header(data)
+        if whole:
+            verify_payload(data, index)
+            self.cache.put(key, data)
+        stream.segments[key] = index
         return index, state
 
+    def _drop_torn(self, stream: _Stream, start: int, error: CorruptSegment) -> None:
+        """A last segment that fails its checks was never acknowledged: remove it."""
+        key = stream.piece_key(start)
+        log.warning("dropping torn segment %s: %s", key, error)
+        self.objects.delete_many([key])
+        stream.segments.pop(key, None)
+
     def _segment(self, stream: _Stream, start: int) -> SegmentIndex:
-        index = stream.segments.get(start)
+        index = stream.segments.get(stream.piece_key(start))
         return index if index is not None else self._read_segment(stream, start)[0]
 
     def _refresh(self, stream: _Stream) -> bool:
@@ -511,11 +547,12 @@ class StreamStore:
         found = False
         while not stream.state.closed:
             try:
-                index, state = self._read_segment(stream, stream.state.tail)
+                index, state = self._read_segment(stream, stream.state.tail, whole=True)
             except FileNotFoundError:
                 break
             except CorruptSegment as error:
-                raise StorageUnavailable(f"{stream.config.path}: {error}") from error
+                self._drop_torn(stream, stream.state.tail, error)
+                break
             _add_start(stream, index.start)
             stream.state = state
             found = True
@@ -695,6 +732,8 @@ class StreamStore:
                 self._refresh(stream)
                 refreshed = True
                 continue
+            except FileNotFoundError as error:  # the stream's directory was deleted under us
+                raise StreamNotFound(f"stream {stream.config.path} was deleted") from error
             stream.notify()
             self._announce(stream.info())
             self._maybe_compact(stream)
@@ -721,6 +760,7 @@ class StreamStore:
             start, b"".join(plan.payload), plan.append_ends, plan.message_ends, plan.state
         )
         self.objects.create(stream.segment_key(start), data)
+        self.cache.put(stream.segment_key(start), data)
         _add_start(stream, start)
         stream.state = plan.state
 
@@ -831,7 +871,7 @@ class StreamStore:
         first = bisect.bisect_left(stream.starts, run[0])
         del stream.starts[first + 1 : first + len(run)]
         for start in run:
-            stream.segments.pop(start, None)
+            stream.segments.pop(stream.segment_key(start), None)
         stream.keys[run[0]] = pack
         stream.unpacked -= len(run)
 
@@ -858,14 +898,15 @@ class StreamStore:
         """Up to `max_bytes` from `offset` (None: the start), ending on a message boundary."""
         stream = self._open(path, touch=True)
         start = 0 if offset is None else offset
-        if start >= stream.state.tail:
-            self._refresh(stream)
+        most = max_bytes or self.settings.max_read_bytes
+        if start + most >= stream.state.tail:
+            self._refresh(stream)  # the answer may reach the tail: say up-to-date truly
         tail = stream.state.tail
         if start > tail:
             raise InvalidRequest("offset is beyond the end of the stream")
         if stream.is_json and not self._is_message_boundary(stream, start):
             raise InvalidRequest("offset is not a message boundary of this JSON stream")
-        limit = min(tail, start + (max_bytes or self.settings.max_read_bytes))
+        limit = min(tail, start + most)
         end = self._message_end_before(stream, start, limit) if stream.is_json else limit
         slices = self._slices(stream, start, end)
         chunks = self._json_chunks(slices) if stream.is_json else self._byte_chunks(slices)
@@ -943,9 +984,9 @@ class StreamStore:
                 return candidates[-1] if backward else candidates[0]
         return start
 
-    def _slices(self, stream: _Stream, start: int, end: int) -> list[tuple[str, int, int]]:
+    def _slices(self, stream: _Stream, start: int, end: int) -> list[tuple[str, int, int, int]]:
         """(object key, byte position, length) pieces that hold [start, end)."""
-        pieces: list[tuple[str, int, int]] = []
+        pieces: list[tuple[str, int, int, int]] = []
         if stream.source is not None and start < stream.base:
             pieces += self._slices(stream.source, start, min(end, stream.base))
             start = stream.base
@@ -953,22 +994,32 @@ class StreamStore:
             return pieces
         if end > stream.state.tail:
             self._refresh(stream)
-        position = max(bisect.bisect_right(stream.starts, start) - 1, 0)
-        while start < end and position < len(stream.starts):
-            index = self._segment(stream, stream.starts[position])
+        piece = max(bisect.bisect_right(stream.starts, start) - 1, 0)
+        while start < end and piece < len(stream.starts):
+            index = self._segment(stream, stream.starts[piece])
             if index.end > start:
                 length = min(end, index.end) - start
                 key = stream.piece_key(index.start)
-                pieces.append((key, index.payload_position + start - index.start, length))
+                byte_position = index.payload_position + start - index.start
+                size = index.payload_position + index.end - index.start
+                pieces.append((key, byte_position, length, size))
                 start += length
-            position += 1
+            piece += 1
         return pieces
 
-    def _byte_chunks(self, slices: list[tuple[str, int, int]]) -> Iterator[bytes]:
-        for key, position, length in slices:
-            yield from self.objects.iter_range(key, position, length)
+    def _byte_chunks(self, slices: list[tuple[str, int, int, int]]) -> Iterator[bytes]:
+        """Small objects come whole through the cache; large ones stream in chunks."""
+        for key, position, length, size in slices:
+            data = self.cache.get(key)
+            if data is None and size <= self.cache.capacity_bytes // 8:
+                data = self.objects.read(key)
+                self.cache.put(key, data)
+            if data is None:
+                yield from self.objects.iter_range(key, position, length)
+            else:
+                yield data[position : position + length]
 
-    def _json_chunks(self, slices: list[tuple[str, int, int]]) -> Iterator[bytes]:
+    def _json_chunks(self, slices: list[tuple[str, int, int, int]]) -> Iterator[bytes]:
         """Stored messages each end with ',': the array is '[' + bytes minus the last ',' + ']'."""
         yield b"["
         held = b""
@@ -1023,17 +1074,23 @@ class StreamStore:
         return False
 
     def _erase(self, stream: _Stream) -> None:
+        """Delete meta.json (the commit point), then the data; a lost race is a 404."""
         config = stream.config
-        try:
-            current = StreamConfig.from_json(self.objects.read(_meta_key(config.path)))
-        except FileNotFoundError:
-            current = None
-        if current is not None and current.incarnation == config.incarnation:
-            self.objects.delete(_meta_key(config.path))  # the commit point of a delete
-        self.objects.delete_tree(stream.prefix)
         if self._streams.get(config.path) is stream:
             del self._streams[config.path]
         stream.notify()
+        try:
+            current = StreamConfig.from_json(self.objects.read(_meta_key(config.path)))
+            if current.incarnation != config.incarnation:
+                raise FileNotFoundError(config.path)
+            self.objects.delete(_meta_key(config.path))
+        except FileNotFoundError as error:
+            raise StreamNotFound(f"stream {config.path} not found") from error
+        try:
+            self.objects.delete_tree(stream.prefix)
+        except (OSError, StorageUnavailable) as error:
+            # Deleted already; a writer that raced us may have left a segment behind.
+            log.warning("leftover data of deleted stream %s: %s", config.path, error)
         if config.fork is not None and stream.source is not None:
             source = stream.source
             self.objects.delete_tree(f"{source.prefix}/forks/{stream_key(config.path)}")
