@@ -528,7 +528,7 @@ class StreamViews:
         etag = etag_of(result)
         at_open_tail = result.start == result.end and not info.closed
         headers.update({"ETag": etag, "Cache-Control": NO_STORE if at_open_tail else CACHEABLE})
-        if result.end == info.tail:
+        if result.up_to_date:
             headers[UP_TO_DATE] = "true"
         headers.update(extra or {})
         if etag in request.headers.get("If-None-Match", ""):

@@ -178,6 +178,7 @@ class ReadResult:
     start: int
     end: int
     chunks: Iterator[bytes]
+    up_to_date: bool
 
 
 @dataclass(frozen=True)
@@ -899,8 +900,14 @@ class StreamStore:
         stream = self._open(path, touch=True)
         start = 0 if offset is None else offset
         most = max_bytes or self.settings.max_read_bytes
+        current = True
         if start + most >= stream.state.tail:
-            self._refresh(stream)  # the answer may reach the tail: say up-to-date truly
+            try:
+                self._refresh(stream)  # the answer may reach the tail: say up-to-date truly
+            except StorageUnavailable:
+                if start >= stream.state.tail:
+                    raise
+                current = False  # storage is down: serve what we know, claim nothing more
         tail = stream.state.tail
         if start > tail:
             raise InvalidRequest("offset is beyond the end of the stream")
@@ -910,7 +917,7 @@ class StreamStore:
         end = self._message_end_before(stream, start, limit) if stream.is_json else limit
         slices = self._slices(stream, start, end)
         chunks = self._json_chunks(slices) if stream.is_json else self._byte_chunks(slices)
-        return ReadResult(stream.info(), start, end, chunks)
+        return ReadResult(stream.info(), start, end, chunks, current and end == tail)
 
     def wait(self, path: str, offset: int, timeout: float) -> StreamInfo:
         """Return once the stream has data past `offset`, is closed, or `timeout` passed."""
