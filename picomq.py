@@ -21,7 +21,7 @@ from datetime import datetime
 import orjson
 from flask import Flask, request
 from flask import Response as FlaskResponse
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from objectstore import ObjectStore
 from settings import Settings
@@ -96,7 +96,8 @@ NO_STORE = "no-store"
 OFFSET_PATTERN = re.compile(r"0{16}_(\d{16})")
 DECIMAL_PATTERN = re.compile(r"0|[1-9][0-9]*")
 CONTENT_TYPE_PATTERN = re.compile(r"[\w.+-]+/[\w.+-]+\s*(;.*)?", re.ASCII)
-FORBIDDEN_PATH_CHARACTERS = re.compile(r"[\x00-\x1f\x7f\\]")
+WIDE_NUMBER = re.compile(rb"\d{19}")  # orjson turns integers past 64 bits into floats
+FORBIDDEN_PATH_CHARACTERS = re.compile(r"[\x00-\x1f\x7f\\\ufffd]")
 
 STATUS_OF_ERROR: dict[type[Exception], int] = {
     InvalidRequest: 400,
@@ -182,16 +183,36 @@ def parse_content_type(required: bool) -> str | None:
     return content_type.strip()
 
 
+def read_body() -> bytes:
+    """The request body; 413 when a chunked body (no Content-Length) runs past the limit."""
+    body = request.get_data()
+    limit = request.max_content_length
+    if request.content_length is None and limit is not None and len(body) >= limit:
+        if request.input_stream.read(1):
+            raise RequestEntityTooLarge()
+    return body
+
+
 def parse_json_messages(body: bytes, *, allow_empty: bool) -> list[bytes]:
     """One message per top-level array item (one level of flattening), or the value."""
-    try:
-        value = orjson.loads(body)
-    except orjson.JSONDecodeError:
+    if WIDE_NUMBER.search(body):
         value = _parse_json_strictly(body)
+    else:
+        try:
+            value = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            value = _parse_json_strictly(body)
     items = value if isinstance(value, list) else [value]
     if not items and not allow_empty:
         raise BadRequest("an empty JSON array appends nothing")
     return [_dump_json(item) for item in items]
+
+
+def parse_finite_float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"{text} is out of range")
+    return value
 
 
 def _parse_json_strictly(body: bytes) -> object:
@@ -201,7 +222,7 @@ def _parse_json_strictly(body: bytes) -> object:
         raise ValueError(f"{name} is not JSON")
 
     try:
-        return json.loads(body, parse_constant=reject_constant)
+        return json.loads(body, parse_constant=reject_constant, parse_float=parse_finite_float)
     except (ValueError, RecursionError) as error:
         raise BadRequest("body is not valid JSON") from error
 
@@ -210,7 +231,7 @@ def _dump_json(value: object) -> bytes:
     try:
         return orjson.dumps(value)
     except TypeError:
-        return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+        return json.dumps(value, separators=(",", ":")).encode()
 
 
 def parse_producer() -> Producer | None:
@@ -400,7 +421,7 @@ class StreamViews:
         content_type = parse_content_type(required=False)
         if fork_source is None:
             content_type = content_type or DEFAULT_CONTENT_TYPE
-        body = request.get_data()
+        body = read_body()
         payload = None
         if body:
             if content_type is None:
@@ -429,7 +450,7 @@ class StreamViews:
 
     def append(self, path: str) -> Response:
         close = parse_flag(CLOSED)
-        body = request.get_data()
+        body = read_body()
         if not body and not close:
             raise BadRequest("an append needs a body (or Stream-Closed: true to close)")
         payload = None
@@ -548,7 +569,7 @@ class StreamViews:
 
     def sse(self, path: str, offset_text: str) -> Response:
         offset = self.resolve_offset(path, offset_text) or 0
-        info = self.store.head(path)
+        info = self.store.read(path, offset).info  # a bad offset is a 400, before the 200
         headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         if not is_json_type(info.content_type) and not info.content_type.startswith("text/"):
             headers[SSE_DATA_ENCODING] = "base64"

@@ -924,6 +924,8 @@ class StreamStore:
         stream = self._open(path, touch=True)
         if stream.state.tail <= offset:
             self._refresh(stream)
+        if offset > stream.state.tail:
+            raise InvalidRequest("offset is beyond the end of the stream")
         deadline = time.monotonic() + timeout
         stream.waiters += 1
         try:
