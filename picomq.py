@@ -29,6 +29,7 @@ from storage import (
     AppendRequest,
     CreateRequest,
     InvalidRequest,
+    OffsetTrimmed,
     Payload,
     Producer,
     ProducerFenced,
@@ -68,6 +69,9 @@ STREAM_SEQ = "Stream-Seq"
 FORKED_FROM = "Stream-Forked-From"
 FORK_OFFSET = "Stream-Fork-Offset"
 FORK_SUB_OFFSET = "Stream-Fork-Sub-Offset"
+RETENTION_AGE = "Stream-Retention-Age"
+RETENTION_BYTES = "Stream-Retention-Bytes"
+EARLIEST_OFFSET = "Stream-Earliest-Offset"
 PRODUCER_ID = "Producer-Id"
 PRODUCER_EPOCH = "Producer-Epoch"
 PRODUCER_SEQ = "Producer-Seq"
@@ -77,8 +81,9 @@ SSE_DATA_ENCODING = "Stream-SSE-Data-Encoding"
 
 PROTOCOL_HEADERS = (
     NEXT_OFFSET, UP_TO_DATE, CLOSED, CURSOR, TTL, EXPIRES_AT, STREAM_SEQ, FORKED_FROM,
-    FORK_OFFSET, FORK_SUB_OFFSET, PRODUCER_ID, PRODUCER_EPOCH, PRODUCER_SEQ,
-    PRODUCER_EXPECTED_SEQ, PRODUCER_RECEIVED_SEQ, SSE_DATA_ENCODING, "ETag", "Location",
+    FORK_OFFSET, FORK_SUB_OFFSET, RETENTION_AGE, RETENTION_BYTES, EARLIEST_OFFSET,
+    PRODUCER_ID, PRODUCER_EPOCH, PRODUCER_SEQ, PRODUCER_EXPECTED_SEQ, PRODUCER_RECEIVED_SEQ,
+    SSE_DATA_ENCODING, "ETag", "Location",
     "Content-Type", "If-None-Match", "Authorization", "Retry-After",
 )  # fmt: skip
 CORS_HEADERS = {
@@ -107,6 +112,7 @@ STATUS_OF_ERROR: dict[type[Exception], int] = {
     StreamClosed: 409,
     ProducerGap: 409,
     StreamGone: 410,
+    OffsetTrimmed: 410,
     StorageUnavailable: 503,
 }
 
@@ -155,6 +161,11 @@ def parse_decimal(name: str, text: str, maximum: int = MAX_SAFE_INTEGER) -> int:
     if DECIMAL_PATTERN.fullmatch(text) is None or int(text) > maximum:
         raise BadRequest(f"{name} must be a non-negative decimal integer without leading zeros")
     return int(text)
+
+
+def parse_optional_decimal(name: str) -> int | None:
+    text = request.headers.get(name)
+    return None if text is None else parse_decimal(name, text.strip())
 
 
 def parse_flag(name: str) -> bool:
@@ -308,6 +319,9 @@ def create_store(settings: Settings) -> StreamStore:
         cache_bytes=settings.cache_bytes,
         poll_interval=settings.poll_interval or (0.05 if local else 1.0),
         recheck_interval=0.0 if local else 1.0,
+        index_max_age=settings.index_max_age,
+        retention_age=settings.retention_age,
+        retention_bytes=settings.retention_bytes,
     )
     return StreamStore(objects, store_settings)
 
@@ -387,6 +401,8 @@ class StreamViews:
         headers: dict[str, str] = {}
         if isinstance(error, StreamClosed):
             headers = {CLOSED: "true", NEXT_OFFSET: format_offset(error.tail)}
+        elif isinstance(error, OffsetTrimmed):
+            headers = {EARLIEST_OFFSET: format_offset(error.earliest)}
         elif isinstance(error, ProducerFenced):
             headers = {PRODUCER_EPOCH: str(error.current_epoch)}
         elif isinstance(error, ProducerGap):
@@ -438,6 +454,8 @@ class StreamViews:
             fork_sub_offset=(
                 parse_decimal(FORK_SUB_OFFSET, sub_offset.strip()) if sub_offset is not None else 0
             ),
+            retention_age=parse_optional_decimal(RETENTION_AGE),
+            retention_bytes=parse_optional_decimal(RETENTION_BYTES),
         )
 
     @staticmethod
@@ -498,6 +516,11 @@ class StreamViews:
             headers[TTL] = str(info.ttl)
         if info.expires_at is not None:
             headers[EXPIRES_AT] = info.expires_at
+        if info.retention_age is not None:
+            headers[RETENTION_AGE] = str(info.retention_age)
+        if info.retention_bytes is not None:
+            headers[RETENTION_BYTES] = str(info.retention_bytes)
+        headers[EARLIEST_OFFSET] = format_offset(info.earliest)
         return Response(status=200, headers=headers)
 
     def delete(self, path: str) -> Response:

@@ -15,6 +15,7 @@ stored serialised and followed by a comma, so a read is a byte copy plus bracket
 from __future__ import annotations
 
 import struct
+import time
 import zlib
 from dataclasses import dataclass, field
 
@@ -55,6 +56,7 @@ class SegmentIndex:
     append_ends: tuple[int, ...]
     message_ends: tuple[int, ...]
     payload_crc: int | None = None
+    written_at: float = 0.0
 
 
 def encode_segment(
@@ -63,7 +65,9 @@ def encode_segment(
     append_ends: list[int],
     message_ends: list[int],
     state: StreamState,
+    written_at: float | None = None,
 ) -> bytes:
+    """`written_at` (default: now) dates the newest data in it, for age-based retention."""
     header = orjson.dumps(
         {
             "start": start,
@@ -75,6 +79,7 @@ def encode_segment(
             "closer": state.closer,
             "stream_seq": state.stream_seq,
             "payload_crc": zlib.crc32(payload),
+            "written_at": written_at if written_at is not None else time.time(),
         }
     )
     return PREFIX.pack(MAGIC, len(header), zlib.crc32(header)) + header + payload
@@ -104,6 +109,7 @@ def decode_header(head: bytes) -> tuple[SegmentIndex, StreamState]:
         append_ends=tuple(fields["appends"]),
         message_ends=tuple(fields["messages"]),
         payload_crc=fields.get("payload_crc"),
+        written_at=fields.get("written_at", 0.0),
     )
     closer = fields["closer"]
     state = StreamState(

@@ -34,6 +34,10 @@ def _auto_or_positive_float(text: str) -> float | None:
     return None if text.strip() == "auto" else _positive_float(text)
 
 
+def _optional_positive_int(text: str) -> int | None:
+    return None if text.strip() == "none" else _positive_int(text)
+
+
 def _non_empty(text: str) -> str:
     if not text.strip():
         raise ValueError("must not be empty")
@@ -98,6 +102,25 @@ SETTINGS: tuple[Setting, ...] = (
         "Bytes of recently written or read segments each worker keeps in memory.",
     ),
     Setting(
+        "retention_age",
+        "none",
+        _optional_positive_int,
+        "Default for streams created without Stream-Retention-Age: seconds data is kept.",
+    ),
+    Setting(
+        "retention_bytes",
+        "none",
+        _optional_positive_int,
+        "Default for streams created without Stream-Retention-Bytes: bytes kept per stream.",
+    ),
+    Setting(
+        "index_max_age",
+        "60",
+        _positive_float,
+        "Seconds a cached stream index may age before it is re-listed; trimmed and compacted"
+        " objects are deleted ten times this long after they leave every index.",
+    ),
+    Setting(
         "poll_interval",
         "auto",
         _auto_or_positive_float,
@@ -119,6 +142,9 @@ class Settings:
     max_request_bytes: int
     max_read_bytes: int
     cache_bytes: int
+    retention_age: int | None
+    retention_bytes: int | None
+    index_max_age: float
     poll_interval: float | None
 
     @staticmethod

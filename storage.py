@@ -85,6 +85,14 @@ class InvalidRequest(StoreError):
     pass
 
 
+class OffsetTrimmed(StoreError):
+    """The offset is before the earliest data retention kept (410, with where to resume)."""
+
+    def __init__(self, earliest: int) -> None:
+        super().__init__("offset is before the earliest retained data")
+        self.earliest = earliest
+
+
 class StreamClosed(StoreError):
     def __init__(self, tail: int) -> None:
         super().__init__("stream is closed")
@@ -141,6 +149,8 @@ class CreateRequest:
     fork_source: str | None = None
     fork_offset: int | None = None
     fork_sub_offset: int = 0
+    retention_age: int | None = None
+    retention_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -161,6 +171,9 @@ class StreamInfo:
     closed: bool
     ttl: int | None
     expires_at: str | None
+    earliest: int = 0
+    retention_age: int | None = None
+    retention_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -190,8 +203,14 @@ class StoreSettings:
     cache_bytes: int = 64 * 1024 * 1024
     compact_after: int = 64
     compact_max_segments: int = 1024
-    compact_grace: float = 600.0
     index_max_age: float = 60.0
+    retention_age: int | None = None
+    retention_bytes: int | None = None
+
+    @property
+    def delete_grace(self) -> float:
+        """How long compacted or trimmed objects outlive the index entries naming them."""
+        return 10 * self.index_max_age
 
 
 # -- stream configuration (meta.json) ----------------------------------------------
@@ -204,6 +223,7 @@ class ForkOrigin:
     requested_offset: int | None
     sub_offset: int
     point: int
+    earliest: int = 0  # the source's retention had trimmed below this when forked
 
 
 @dataclass(frozen=True)
@@ -215,6 +235,8 @@ class StreamConfig:
     expires_at: str | None
     created_at: float
     fork: ForkOrigin | None
+    retention_age: int | None = None
+    retention_bytes: int | None = None
 
     def to_json(self) -> bytes:
         fields = dict(self.__dict__)
@@ -273,7 +295,9 @@ class _Stream:
     segments: dict[str, SegmentIndex] = field(default_factory=dict)  # by object key
     indexed_at: float = 0.0
     unpacked: int = 0
-    compacting: bool = False
+    housekeeping: bool = False
+    earliest: int = 0
+    trim_timer: gevent.Greenlet | None = None
     changed: Event = field(default_factory=Event)
     pending: list[_Pending] = field(default_factory=list)
     writing: bool = False
@@ -312,6 +336,9 @@ class _Stream:
             closed=self.state.closed,
             ttl=config.ttl,
             expires_at=config.expires_at,
+            earliest=self.earliest,
+            retention_age=config.retention_age,
+            retention_bytes=config.retention_bytes,
         )
 
     def notify(self) -> None:
@@ -432,20 +459,25 @@ class StreamStore:
         )
         names = self.objects.list(f"{stream.prefix}/seg")
         segment_starts = sorted(int(name) for name in names if name.isdigit())
+        trims = self.objects.list(f"{stream.prefix}/trim")
+        inherited = stream.config.fork.earliest if stream.config.fork else 0
+        earliest = max((int(name) for name in trims if name.isdigit()), default=inherited)
         starts, keys, covered, covered_to = [], {}, [], -1
         pieces = sorted([(start, end, True) for start, end in packs] + [
             (start, start, False) for start in segment_starts
         ])  # fmt: skip
         for start, end, is_pack in pieces:
-            if start < covered_to:
-                if not is_pack:
-                    covered.append(stream.segment_key(start))
+            if start < covered_to or start < earliest:
+                key = stream.pack_key(start, end) if is_pack else stream.segment_key(start)
+                if not is_pack or start < earliest:
+                    covered.append(key)
                 continue
             starts.append(start)
             if is_pack:
                 keys[start] = stream.pack_key(start, end)
                 covered_to = end
         stream.starts, stream.keys, stream.segments = starts, keys, {}
+        stream.earliest = earliest
         stream.unpacked = len(starts) - len(keys)
         stream.indexed_at = time.monotonic()
         while starts:
@@ -458,12 +490,13 @@ class StreamStore:
                 starts.pop()
                 keys.pop(torn, None)
         if covered:
-            gevent.spawn_later(self.settings.compact_grace, self._delete_quietly, covered)
+            gevent.spawn_later(self.settings.delete_grace, self._delete_quietly, covered)
+        self._schedule_trim(stream)
 
     def _fresh(self, stream: _Stream) -> _Stream:
         """Re-list an index older than `index_max_age`: compaction may have moved its data.
 
-        Compaction deletes a segment only `compact_grace` after packing it, far longer
+        Compaction deletes a segment only `delete_grace` after packing it, far longer
         than an index may age, so no reader or writer ever uses a deleted segment.
         """
         if time.monotonic() - stream.indexed_at > self.settings.index_max_age:
@@ -577,6 +610,8 @@ class StreamStore:
             expires_at=request.expires_at.isoformat() if request.expires_at else None,
             created_at=time.time(),
             fork=fork,
+            retention_age=_either(request.retention_age, self.settings.retention_age),
+            retention_bytes=_either(request.retention_bytes, self.settings.retention_bytes),
         )
         if existing is not None:
             return False, self._confirm(existing, config, request)
@@ -619,6 +654,8 @@ class StreamStore:
             media_type(have.content_type) == media_type(wanted.content_type)
             and have.ttl == wanted.ttl
             and have.expires_at == wanted.expires_at
+            and have.retention_age == wanted.retention_age
+            and have.retention_bytes == wanted.retention_bytes
             and existing.state.closed == request.closed
             and _fork_request(have.fork) == _fork_request(wanted.fork)
         )
@@ -654,12 +691,15 @@ class StreamStore:
                 expires_at=datetime.fromisoformat(expires) if expires else None,
             )
         inherited = replace(inherited, content_type=source.config.content_type)
+        if offset < source.earliest:
+            raise OffsetTrimmed(source.earliest)
         origin = ForkOrigin(
             source=source.config.path,
             source_incarnation=source.config.incarnation,
             requested_offset=request.fork_offset,
             sub_offset=request.fork_sub_offset,
             point=point,
+            earliest=source.earliest,
         )
         return origin, inherited
 
@@ -738,6 +778,7 @@ class StreamStore:
             stream.notify()
             self._announce(stream.info())
             self._maybe_compact(stream)
+            self._schedule_trim(stream)
             break
         else:
             raise StorageUnavailable("too many concurrent writers on this stream; retry")
@@ -818,15 +859,15 @@ class StreamStore:
     # -- compaction -----------------------------------------------------------------
 
     def _maybe_compact(self, stream: _Stream) -> None:
-        if stream.unpacked > self.settings.compact_after and not stream.compacting:
-            stream.compacting = True
+        if stream.unpacked > self.settings.compact_after and not stream.housekeeping:
+            stream.housekeeping = True
             gevent.spawn(self._compact, stream)
 
     def _compact(self, stream: _Stream) -> None:
         """Merge a run of small segments into one pack covering the same offsets.
 
         The pack is written create-only (two nodes packing the same run write the
-        same bytes; one wins). The originals stay for `compact_grace` so that readers
+        same bytes; one wins). The originals stay for `delete_grace` so that readers
         and writers holding an older index never miss them; a writer that still knew
         an old tail would otherwise find its segment name free again.
         """
@@ -849,11 +890,11 @@ class StreamStore:
                 pass
             originals = [stream.segment_key(start) for start in run]
             self._adopt_pack(stream, run, pack)
-            gevent.spawn_later(self.settings.compact_grace, self._delete_quietly, originals)
+            gevent.spawn_later(self.settings.delete_grace, self._delete_quietly, originals)
         except (StorageUnavailable, FileNotFoundError, CorruptSegment) as error:
             log.warning("compaction of %s postponed: %s", stream.config.path, error)
         finally:
-            stream.compacting = False
+            stream.housekeeping = False
 
     def _unpacked_run(self, stream: _Stream) -> list[int]:
         """Consecutive unpacked segments before the tail segment, oldest first."""
@@ -882,6 +923,79 @@ class StreamStore:
         except StorageUnavailable as error:
             log.warning("could not delete %d compacted segments: %s", len(keys), error)
 
+    # -- retention ----------------------------------------------------------------------
+
+    def _schedule_trim(self, stream: _Stream) -> None:
+        """Check retention soon, once: after appends, on load, and when data comes of age.
+
+        Only streams with a retention setting and data past it get a timer, so idle
+        streams with nothing to trim cost nothing.
+        """
+        config = stream.config
+        if config.retention_age is None and config.retention_bytes is None:
+            return
+        if len(stream.starts) < 2 or stream.trim_timer is not None:
+            return
+        stream.trim_timer = gevent.spawn_later(self.settings.index_max_age / 10, self._trim, stream)
+
+    def _trim(self, stream: _Stream) -> None:
+        """Drop whole pieces from the head that retention no longer keeps.
+
+        A new earliest offset is published first (a create-only `trim/<offset>`
+        marker, so every process answers 410 below it within `index_max_age`); the
+        pieces are deleted `delete_grace` later. A piece goes only once the piece
+        after it is older than twice `index_max_age`: no writer can then hold a tail
+        so old that the trimmed name would look free. Forked streams are not trimmed:
+        their forks read the data. The last piece, with the stream's state, stays.
+        """
+        stream.trim_timer = None
+        if stream.housekeeping:  # compaction is rewriting the index: look again soon
+            self._schedule_trim(stream)
+            return
+        stream.housekeeping = True
+        try:
+            cut, wake_at = self._trim_point(stream)
+            if cut > stream.earliest and not self._has_forks(stream):
+                try:
+                    self.objects.create(f"{stream.prefix}/trim/{segment_name(cut)}", b"")
+                except FileExistsError:
+                    pass
+                gone = [stream.piece_key(start) for start in stream.starts if start < cut]
+                stream.starts = [start for start in stream.starts if start >= cut]
+                stream.earliest = cut
+                gevent.spawn_later(self.settings.delete_grace, self._delete_quietly, gone)
+            if wake_at is not None and stream.trim_timer is None:
+                delay = max(wake_at - time.time(), self.settings.index_max_age / 10)
+                stream.trim_timer = gevent.spawn_later(delay, self._trim, stream)
+        except (StorageUnavailable, FileNotFoundError, CorruptSegment) as error:
+            log.warning("retention of %s postponed: %s", stream.config.path, error)
+        finally:
+            stream.housekeeping = False
+
+    def _trim_point(self, stream: _Stream) -> tuple[int, float | None]:
+        """The first offset to keep, and when to look again (None: nothing will age out)."""
+        config, now = stream.config, time.time()
+        fence_age = 2 * self.settings.index_max_age
+        starts = list(stream.starts)
+        cut, wake_at = stream.earliest, None
+        for start, following in zip(starts, starts[1:], strict=False):
+            piece, after = self._segment(stream, start), self._segment(stream, following)
+            too_old = config.retention_age is not None and (
+                piece.written_at < now - config.retention_age
+            )
+            too_big = config.retention_bytes is not None and (
+                stream.state.tail - start > config.retention_bytes
+            )
+            if not (too_old or too_big):
+                if config.retention_age is not None:
+                    wake_at = piece.written_at + config.retention_age
+                break
+            if after.written_at > now - fence_age:
+                wake_at = after.written_at + fence_age
+                break
+            cut = following
+        return cut, wake_at
+
     # -- head, read, wait -----------------------------------------------------------
 
     def head(self, path: str) -> StreamInfo:
@@ -898,7 +1012,9 @@ class StreamStore:
     def read(self, path: str, offset: int | None, max_bytes: int | None = None) -> ReadResult:
         """Up to `max_bytes` from `offset` (None: the start), ending on a message boundary."""
         stream = self._open(path, touch=True)
-        start = 0 if offset is None else offset
+        start = stream.earliest if offset is None else offset
+        if start < stream.earliest:
+            raise OffsetTrimmed(stream.earliest)
         most = max_bytes or self.settings.max_read_bytes
         current = True
         if start + most >= stream.state.tail:
@@ -926,6 +1042,8 @@ class StreamStore:
             self._refresh(stream)
         if offset > stream.state.tail:
             raise InvalidRequest("offset is beyond the end of the stream")
+        if offset < stream.earliest:
+            raise OffsetTrimmed(stream.earliest)
         deadline = time.monotonic() + timeout
         stream.waiters += 1
         try:
@@ -1146,6 +1264,10 @@ def _check_producer(state: StreamState, producer: Producer) -> Producer | None:
     if producer.seq > seq + 1:
         raise ProducerGap(expected=seq + 1, received=producer.seq)
     return None
+
+
+def _either(value: int | None, default: int | None) -> int | None:
+    return default if value is None else value
 
 
 def _fork_request(fork: ForkOrigin | None) -> tuple[object, ...] | None:
