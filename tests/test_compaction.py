@@ -13,7 +13,7 @@ import requests
 from objectstore import ObjectStore
 from storage import AppendRequest, CreateRequest, Payload, StoreSettings, StreamStore
 
-SETTINGS = StoreSettings(compact_after=4, compact_max_segments=8, compact_grace=0.3)
+SETTINGS = StoreSettings(compact_after=4, compact_max_segments=8, index_max_age=0.03)
 
 
 @pytest.fixture(params=["local", "s3"])
