@@ -6,6 +6,11 @@ per process, and both end themselves before `graceful_timeout`, so a restart let
 finish instead of cutting them.
 """
 
+import glob
+import os
+import shutil
+import tempfile
+
 from settings import Settings, SettingsError
 
 try:
@@ -24,3 +29,31 @@ timeout = 30
 graceful_timeout = 75
 keepalive = 5  # short: an idle keep-alive connection delays a graceful stop
 control_socket_disable = True
+
+
+# prometheus-client counts in files that all workers share (see metrics.py): the master
+# names one empty directory before any worker forks, and forgets dead workers' gauges.
+METRICS_DIRECTORY = "PROMETHEUS_MULTIPROC_DIR"
+owned_metrics_directory: list[str] = []
+
+
+def on_starting(server: object) -> None:
+    directory = os.environ.get(METRICS_DIRECTORY)
+    if not directory:
+        directory = tempfile.mkdtemp(prefix="picomq-metrics-")
+        owned_metrics_directory.append(directory)
+        os.environ[METRICS_DIRECTORY] = directory
+    os.makedirs(directory, exist_ok=True)
+    for path in glob.glob(os.path.join(directory, "*.db")):
+        os.unlink(path)  # an earlier run's counts would be added to ours
+
+
+def child_exit(server: object, worker: object) -> None:
+    from prometheus_client import multiprocess  # only now: the variable is set
+
+    multiprocess.mark_process_dead(worker.pid)
+
+
+def on_exit(server: object) -> None:
+    for directory in owned_metrics_directory:
+        shutil.rmtree(directory, ignore_errors=True)

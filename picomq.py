@@ -23,7 +23,7 @@ from flask import Flask, request
 from flask import Response as FlaskResponse
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
-from objectstore import ObjectStore
+from metrics import MeasuredObjectStore
 from settings import Settings
 from storage import (
     AppendRequest,
@@ -312,7 +312,7 @@ def empty_body(info: StreamInfo) -> bytes:
 
 def create_store(settings: Settings) -> StreamStore:
     """Object stores bill per request: check them less often than a local disk."""
-    objects = ObjectStore(settings.storage_url)
+    objects = MeasuredObjectStore(settings.storage_url)
     local = objects.is_local
     store_settings = StoreSettings(
         max_read_bytes=settings.max_read_bytes,
@@ -345,6 +345,9 @@ def create_app(settings: Settings, store: StreamStore | None = None) -> Flask:
     from subscriptions import register_subscriptions  # here: it builds on this module
 
     register_subscriptions(app, store)
+    from ops import register_operations  # its hooks run after add_common_headers below
+
+    register_operations(app, store, settings)
 
     @app.after_request
     def add_common_headers(response: Response) -> Response:

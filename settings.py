@@ -38,6 +38,12 @@ def _optional_positive_int(text: str) -> int | None:
     return None if text.strip() == "none" else _positive_int(text)
 
 
+def _log_format(text: str) -> str:
+    if text.strip() not in ("json", "text"):
+        raise ValueError("must be json or text")
+    return text.strip()
+
+
 def _non_empty(text: str) -> str:
     if not text.strip():
         raise ValueError("must not be empty")
@@ -127,6 +133,12 @@ SETTINGS: tuple[Setting, ...] = (
         "Seconds between checks for appends made by other processes while readers wait"
         " (auto: 0.05 on local disk, 1 on object stores, where each check is a request).",
     ),
+    Setting(
+        "log_format",
+        "json",
+        _log_format,
+        "json: one JSON object per log line, with the request id; text: plain lines.",
+    ),
 )
 
 
@@ -146,6 +158,7 @@ class Settings:
     retention_bytes: int | None
     index_max_age: float
     poll_interval: float | None
+    log_format: str
 
     @staticmethod
     def from_environment(environment: Mapping[str, str] = os.environ) -> Settings:

@@ -372,6 +372,7 @@ class StreamStore:
         self.cache = ObjectCache(self.settings.cache_bytes)
         self._streams: OrderedDict[str, _Stream] = OrderedDict()
         self.listeners: list[Callable[[StreamInfo], None]] = []
+        self.commit_observers: list[Callable[[int], None]] = []  # appends per group commit
 
     # -- opening, caching, expiry -----------------------------------------------------
 
@@ -777,6 +778,8 @@ class StreamStore:
                 raise StreamNotFound(f"stream {stream.config.path} was deleted") from error
             stream.notify()
             self._announce(stream.info())
+            for observe in self.commit_observers:
+                observe(len(batch))
             self._maybe_compact(stream)
             self._schedule_trim(stream)
             break

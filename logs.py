@@ -1,0 +1,107 @@
+"""Structured logs: one JSON object per line, and a request id on every response.
+
+A request is logged once, when its response is closed (so an SSE line carries its
+whole duration): method, path, the read parameters of the query, status, duration,
+remote address and request id. Never headers, other query parameters, tokens or
+bodies: credentials may travel in any of those.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+import time
+import uuid
+from datetime import UTC, datetime
+
+import orjson
+from flask import Flask, Response, g, has_request_context, request
+
+REQUEST_ID_HEADER = "X-Request-Id"
+# A caller's id is kept only if it cannot forge log lines or headers; else we make one.
+REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+LOGGED_QUERY_PARAMETERS = ("offset", "live", "prefix", "after", "limit")
+MAX_LOGGED_VALUE_CHARS = 200
+
+access_log = logging.getLogger("picomq.access")
+
+
+class JsonFormatter(logging.Formatter):
+    """`{"time", "level", "logger", "message", "pid", "request_id", ...fields}`, one line."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        moment = datetime.fromtimestamp(record.created, UTC)
+        entry: dict[str, object] = {
+            "time": moment.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+            "pid": record.process,
+        }
+        if has_request_context() and "request_id" in g:
+            entry["request_id"] = g.request_id
+        entry.update(getattr(record, "fields", {}))
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return orjson.dumps(entry, default=str).decode()
+
+
+def use_json_logs() -> None:
+    """Every handler of the root and gunicorn loggers writes JSON from now on."""
+    root = logging.getLogger()
+    if not root.handlers:
+        root.addHandler(logging.StreamHandler(sys.stderr))
+        root.setLevel(logging.INFO)
+    for name in ("", "gunicorn.error"):
+        for handler in logging.getLogger(name).handlers:
+            handler.setFormatter(JsonFormatter())
+
+
+def parse_request_id() -> str:
+    given = request.headers.get(REQUEST_ID_HEADER, "")
+    return given if REQUEST_ID_PATTERN.fullmatch(given) else uuid.uuid4().hex
+
+
+def request_fields(response: Response, started: float) -> dict[str, object]:
+    query = {
+        name: request.args.get(name, "")[:MAX_LOGGED_VALUE_CHARS]
+        for name in LOGGED_QUERY_PARAMETERS
+        if name in request.args
+    }
+    return {
+        "method": request.method,
+        "path": request.path,  # gunicorn caps the request line at 4094 bytes
+        "query": query,
+        "status": response.status_code,
+        "duration_ms": round((time.perf_counter() - started) * 1000, 3),
+        "remote_addr": request.remote_addr,
+    }
+
+
+def install_request_logging(app: Flask) -> None:
+    """Give each request an id (the caller's, if sane), echo it, and log the request."""
+
+    @app.before_request
+    def assign_request_id() -> None:
+        g.request_id = parse_request_id()
+        g.request_started = time.perf_counter()
+
+    @app.after_request
+    def echo_and_log(response: Response) -> Response:
+        # An earlier hook (auth) may have answered before ours ran: make the id now then.
+        request_id = g.setdefault("request_id", parse_request_id())
+        started = g.setdefault("request_started", time.perf_counter())
+        response.headers[REQUEST_ID_HEADER] = request_id
+        exposed = response.headers.get("Access-Control-Expose-Headers")
+        if exposed is not None and REQUEST_ID_HEADER not in exposed:
+            response.headers["Access-Control-Expose-Headers"] = f"{exposed}, {REQUEST_ID_HEADER}"
+        fields = request_fields(response, started)
+
+        def log_request() -> None:  # on close: the request context may be gone by then
+            fields["duration_ms"] = round((time.perf_counter() - started) * 1000, 3)
+            fields["request_id"] = request_id
+            access_log.info("request", extra={"fields": fields})
+
+        response.call_on_close(log_request)
+        return response

@@ -1,0 +1,245 @@
+"""Prometheus metrics, correct across several gunicorn workers.
+
+Each worker is its own process, so each counts in its own files under one shared
+directory (prometheus-client's multiprocess mode) and `/metrics` sums them. The mode
+is chosen when `prometheus_client` is first imported, from PROMETHEUS_MULTIPROC_DIR,
+which gunicorn.conf.py's hooks set in the master before any worker forks (and use to
+forget a dead worker's live gauges); so the master never imports this module. Outside
+gunicorn, without that variable, the metrics live in this process only.
+
+Hot paths pay a dictionary lookup and a locked memory write per update. Every label
+value a request can reach comes from a fixed list (content types, read modes, storage
+operations, HTTP statuses), so the number of series never grows with the input.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from flask import Flask, Response, g, request
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from objectstore import ObjectStore
+from storage import StreamStore
+
+T = TypeVar("T")
+
+MULTIPROCESS_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
+STREAM_PREFIX = "/v1/stream/"
+RESERVED_PREFIX = "/v1/stream/__ds/"
+CONTENT_TYPE_LABELS = ("application/json", "application/octet-stream", "text/plain")
+LIVE_MODES = ("long-poll", "sse")
+STORAGE_OPERATIONS = ("put", "get", "head", "list", "delete")
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+PRODUCER_EPOCH = "Producer-Epoch"  # a fenced producer's 403 carries it; an auth 403 does not
+
+
+def label_of_content_type(content_type: str | None) -> str:
+    """A bounded label: the common media types by name, every other one as 'other'."""
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    if media in CONTENT_TYPE_LABELS:
+        return media
+    return "text/other" if media.startswith("text/") else "other"
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """Every metric PicoMQ exports; one set per process, from `get_metrics()`."""
+
+    appends: Counter
+    append_bytes: Counter
+    reads: Counter
+    live_connections: Gauge
+    commit_batch_size: Histogram
+    storage_requests: Counter
+    storage_seconds: Histogram
+    errors: Counter
+    auth_failures: Counter
+    registry: CollectorRegistry | None  # None in multiprocess mode: collected from files
+
+    def exposition(self) -> bytes:
+        """The Prometheus text format, summed over every worker's files."""
+        registry = self.registry
+        if registry is None:
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry)
+        return generate_latest(registry)
+
+
+@functools.cache
+def get_metrics() -> Metrics:
+    # Own registry in one process, so two apps in one test process never collide.
+    registry = None if os.environ.get(MULTIPROCESS_VARIABLE) else CollectorRegistry()
+    where: dict[str, Any] = {"namespace": "picomq", "registry": registry}
+    by_type = ["content_type"]
+    return Metrics(
+        appends=Counter("appends", "Appends acknowledged, by content type.", by_type, **where),
+        append_bytes=Counter(
+            "append_bytes", "Body bytes of acknowledged appends, by content type.", by_type, **where
+        ),
+        reads=Counter("reads", "Stream read requests, by mode.", ["mode"], **where),
+        live_connections=Gauge(
+            "live_connections",
+            "Long-poll and SSE reads open now, by mode.",
+            ["mode"],
+            multiprocess_mode="livesum",
+            **where,
+        ),
+        commit_batch_size=Histogram(
+            "commit_batch_size",
+            "Appends committed together by one group commit (one segment: one fsync or PUT).",
+            buckets=BATCH_BUCKETS,
+            **where,
+        ),
+        storage_requests=Counter(
+            "storage_requests", "Storage requests by operation.", ["operation"], **where
+        ),
+        storage_seconds=Histogram(
+            "storage_seconds",
+            "Latency of storage requests by operation (put on local disk includes its fsyncs).",
+            ["operation"],
+            buckets=LATENCY_BUCKETS,
+            **where,
+        ),
+        errors=Counter("errors", "Responses with a 4xx or 5xx status.", ["status"], **where),
+        auth_failures=Counter(
+            "auth_failures", "Requests refused for missing or wrong credentials.", **where
+        ),
+        registry=registry,
+    )
+
+
+# -- requests ---------------------------------------------------------------------------
+
+
+def read_mode() -> str | None:
+    """'catch-up', 'long-poll' or 'sse' for a stream read; None for anything else."""
+    path = request.path
+    if request.method != "GET" or not path.startswith(STREAM_PREFIX):
+        return None
+    if path.startswith(RESERVED_PREFIX):
+        return None
+    live = request.args.get("live")
+    return live if live in LIVE_MODES else "catch-up"
+
+
+def is_auth_failure(response: Response) -> bool:
+    status = response.status_code
+    return status == 401 or (status == 403 and PRODUCER_EPOCH not in response.headers)
+
+
+def install_request_metrics(app: Flask, store: StreamStore) -> None:
+    """Count reads, live connections, appends, errors and group-commit batch sizes."""
+    metrics = get_metrics()
+    store.commit_observers.append(metrics.commit_batch_size.observe)
+
+    @app.before_request
+    def count_read() -> None:
+        mode = read_mode()
+        if mode is None:
+            return
+        metrics.reads.labels(mode).inc()
+        if mode in LIVE_MODES:
+            g.live_mode = mode
+            metrics.live_connections.labels(mode).inc()
+
+    @app.after_request
+    def count_response(response: Response) -> Response:
+        status = response.status_code
+        if status >= 400:
+            metrics.errors.labels(str(status)).inc()
+            if is_auth_failure(response):
+                metrics.auth_failures.inc()
+        elif request.method == "POST" and request.path.startswith(STREAM_PREFIX):
+            count_append(metrics)
+        live_mode = g.pop("live_mode", None)
+        if live_mode is not None:  # an SSE body is still to come: the connection ends on close
+            response.call_on_close(metrics.live_connections.labels(live_mode).dec)
+        return response
+
+    @app.teardown_request
+    def release_live_connection(error: BaseException | None) -> None:
+        live_mode = g.pop("live_mode", None)  # only if no response was built
+        if live_mode is not None:
+            metrics.live_connections.labels(live_mode).dec()
+
+
+def count_append(metrics: Metrics) -> None:
+    size = request.content_length or 0
+    if size and not request.path.startswith(RESERVED_PREFIX):
+        label = label_of_content_type(request.headers.get("Content-Type"))
+        metrics.appends.labels(label).inc()
+        metrics.append_bytes.labels(label).inc(size)
+
+
+def metrics_view() -> Response:
+    return Response(get_metrics().exposition(), 200, {"Content-Type": CONTENT_TYPE_LATEST})
+
+
+# -- storage, measured ------------------------------------------------------------------
+
+
+def measured(operation: str) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """Count and time one storage verb; failures count too (their latency matters most)."""
+
+    def decorate(method: Callable[..., T]) -> Callable[..., T]:
+        @functools.wraps(method)
+        def wrapper(self: MeasuredObjectStore, *args: Any, **kwargs: Any) -> T:
+            started = time.perf_counter()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                self.requests[operation].inc()
+                self.seconds[operation].observe(time.perf_counter() - started)
+
+        return wrapper
+
+    return decorate
+
+
+class MeasuredObjectStore(ObjectStore):
+    """The object store, each request counted and timed by operation.
+
+    `iter_range` reads through `read`, so each chunk of a long read counts as one get.
+    On local disk `put` is the whole durable create (write, fsync, link, fsync of the
+    directory), so its latency is the fsync latency; on S3 it is one conditional PUT.
+    """
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        metrics = get_metrics()
+        self.requests = {name: metrics.storage_requests.labels(name) for name in STORAGE_OPERATIONS}
+        self.seconds = {name: metrics.storage_seconds.labels(name) for name in STORAGE_OPERATIONS}
+
+    create = measured("put")(ObjectStore.create)
+    touch = measured("put")(ObjectStore.touch)
+    read = measured("get")(ObjectStore.read)
+    identity = measured("head")(ObjectStore.identity)
+    modified = measured("head")(ObjectStore.modified)
+    list = measured("list")(ObjectStore.list)
+    delete = measured("delete")(ObjectStore.delete)
+    delete_many = measured("delete")(ObjectStore.delete_many)
+    delete_tree = measured("delete")(ObjectStore.delete_tree)
+
+    def exists(self, key: str) -> bool:
+        if self.is_local:
+            return self._exists_on_disk(key)
+        return self.identity(key) is not None  # measured there, once
+
+    @measured("head")
+    def _exists_on_disk(self, key: str) -> bool:
+        return super().exists(key)

@@ -1,0 +1,140 @@
+"""Routes for operators and tools, outside the stream namespace `/v1/stream/`.
+
+- `/healthz`: the process is up and serving (no I/O).
+- `/readyz`: storage answers; 503 when it does not, so a balancer stops sending.
+- `/metrics`: Prometheus text format (see metrics.py).
+- `/v1/streams?prefix=&after=&limit=`: the listing extension, paged JSON. It is not a
+  stream path (those all start `/v1/stream/`), so it can never shadow one.
+- `/`: the web inspector, a static page from `static/`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import orjson
+from flask import Flask, Response, current_app, request, send_from_directory
+
+from logs import install_request_logging, use_json_logs
+from metrics import install_request_metrics, metrics_view
+from picomq import BadRequest, error_response, format_offset, parse_decimal
+from settings import Settings
+from storage import StorageUnavailable, StreamGone, StreamInfo, StreamNotFound, StreamStore
+
+log = logging.getLogger("picomq.ops")
+
+READINESS_KEY = "streams"  # one HEAD (S3) or stat (disk) of the streams prefix
+DEFAULT_PAGE_SIZE = 100
+MAX_PAGE_SIZE = 1000
+MAX_PREFIX_BYTES = 1024
+INSPECTOR_PAGE = "inspector.html"
+INSPECTOR_POLICY = (
+    "default-src 'self'; connect-src 'self'; img-src 'self' data:; frame-ancestors 'none'"
+)
+
+
+def register_operations(app: Flask, store: StreamStore, settings: Settings) -> None:
+    """Add the routes above, request metrics, request ids and (if set) JSON logs."""
+    if settings.log_format == "json":
+        use_json_logs()
+    install_request_logging(app)
+    install_request_metrics(app, store)
+    app.add_url_rule("/healthz", "healthz", healthz, methods=["GET", "HEAD"])
+    app.add_url_rule("/readyz", "readyz", readyz, methods=["GET", "HEAD"])
+    app.add_url_rule("/metrics", "metrics", metrics_view, methods=["GET"])
+    app.add_url_rule("/v1/streams", "list_streams", list_streams, methods=["GET"])
+    app.add_url_rule("/", "inspector", inspector, methods=["GET", "HEAD"])
+
+
+def healthz() -> Response:
+    return json_response({"status": "ok"}, 200)
+
+
+def readyz() -> Response:
+    """Ready when storage answers one cheap request; the reason when it does not."""
+    objects = current_app.extensions["picomq.store"].objects
+    try:
+        objects.identity(READINESS_KEY)
+        if objects.is_local and not os.access(objects.root, os.W_OK | os.X_OK):
+            raise StorageUnavailable(f"{objects.root} is not writable")
+    except (StorageUnavailable, OSError) as error:
+        log.warning("not ready: %s", error)
+        return json_response({"status": "unavailable", "reason": "storage is unreachable"}, 503)
+    return json_response({"status": "ready"}, 200)
+
+
+def list_streams() -> Response:
+    """One page of streams whose path starts with `prefix`, in path order.
+
+    `after` is the last path of the previous page (the `next` of the answer), so pages
+    stay consistent while streams come and go. Each listed stream is read with `head`,
+    so a page costs at most `limit` stream loads.
+    """
+    try:
+        prefix, after, limit = parse_listing()
+    except BadRequest as error:
+        return error_response(400, "bad_request", str(error))
+    store: StreamStore = current_app.extensions["picomq.store"]
+    try:
+        candidates = sorted(path for path in store.paths() if path.startswith(prefix))
+        candidates = [path for path in candidates if after is None or path > after]
+        streams, more = page_of(store, candidates, limit)
+    except StorageUnavailable:
+        return error_response(503, "storage_unavailable", "storage is unavailable; retry")
+    next_after = streams[-1]["path"] if more else None
+    return json_response({"streams": streams, "next": next_after}, 200)
+
+
+def page_of(store: StreamStore, paths: list[str], limit: int) -> tuple[list[dict], bool]:
+    """The first `limit` streams of `paths` that still exist, and whether another does.
+
+    Deleted streams may linger in the listing; they are skipped, so a page never ends
+    with a `next` that leads to an empty page.
+    """
+    streams: list[dict] = []
+    for path in paths:
+        try:
+            info = store.head(path)
+        except (StreamNotFound, StreamGone):
+            continue  # deleted (or expired) since the listing
+        if len(streams) == limit:
+            return streams, True
+        streams.append(format_stream(info))
+    return streams, False
+
+
+def parse_listing() -> tuple[str, str | None, int]:
+    prefix = request.args.get("prefix", "")
+    if len(prefix.encode()) > MAX_PREFIX_BYTES:
+        raise BadRequest(f"prefix is longer than {MAX_PREFIX_BYTES} bytes")
+    limit_text = request.args.get("limit")
+    limit = DEFAULT_PAGE_SIZE
+    if limit_text is not None:
+        limit = parse_decimal("limit", limit_text, MAX_PAGE_SIZE)
+        if limit == 0:
+            raise BadRequest(f"limit must be between 1 and {MAX_PAGE_SIZE}")
+    return prefix, request.args.get("after"), limit
+
+
+def format_stream(info: StreamInfo) -> dict[str, object]:
+    return {
+        "path": info.path,
+        "contentType": info.content_type,
+        "bytes": info.tail,
+        "nextOffset": format_offset(info.tail),
+        "closed": info.closed,
+        "ttl": info.ttl,
+        "expiresAt": info.expires_at,
+    }
+
+
+def json_response(body: dict[str, object], status: int) -> Response:
+    headers = {"Content-Type": "application/json", "Cache-Control": "no-store"}
+    return Response(orjson.dumps(body), status, headers)
+
+
+def inspector() -> Response:
+    response = send_from_directory(current_app.static_folder, INSPECTOR_PAGE, max_age=0)
+    response.headers["Content-Security-Policy"] = INSPECTOR_POLICY
+    return response

@@ -1,0 +1,335 @@
+"""Operations against real servers: health, readiness, the listing extension, metrics
+summed across gunicorn workers, and JSON logs with a request id."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+import uuid
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
+
+import requests
+from conftest import find_free_port
+
+if TYPE_CHECKING:
+    from conftest import Server, StartServer
+
+JSON = "application/json"
+DEADLINE_SECONDS = 20.0
+
+
+def scrape(server: Server) -> dict[str, float]:
+    """`/metrics` as {'name{labels}': value}."""
+    response = requests.get(f"{server.url}/metrics", timeout=10)
+    assert response.status_code == 200
+    assert response.headers["Content-Type"].startswith("text/plain")
+    samples = {}
+    for line in response.text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def wait_for(condition, what: str) -> None:  # noqa: ANN001 - a zero-argument predicate
+    deadline = time.monotonic() + DEADLINE_SECONDS
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def create(server: Server, path: str, content_type: str = JSON) -> None:
+    response = requests.put(server.stream_url(path), headers={"Content-Type": content_type})
+    assert response.status_code == 201, response.text
+
+
+def access_log(server: Server) -> list[dict]:
+    entries = []
+    for line in server.output().splitlines():
+        if line.startswith("{"):
+            entry = json.loads(line)
+            if entry["logger"] == "picomq.access":
+                entries.append(entry)
+    return entries
+
+
+# -- health and readiness --------------------------------------------------------------
+
+
+def test_healthz_and_readyz_answer_outside_the_stream_namespace(server: Server) -> None:
+    for route, status in (("/healthz", "ok"), ("/readyz", "ready")):
+        response = requests.get(f"{server.url}{route}", timeout=10)
+        assert response.status_code == 200
+        assert response.json() == {"status": status}
+        assert response.headers["Cache-Control"] == "no-store"
+
+
+def test_readyz_fails_while_the_data_directory_is_gone(start_server: StartServer) -> None:
+    server = start_server()
+    assert requests.get(f"{server.url}/readyz", timeout=10).status_code == 200
+    shutil.rmtree(server.data_dir)
+    try:
+        response = requests.get(f"{server.url}/readyz", timeout=10)
+        assert response.status_code == 503
+        assert response.json()["status"] == "unavailable"
+        assert requests.get(f"{server.url}/healthz", timeout=10).status_code == 200
+    finally:
+        server.data_dir.mkdir()
+    assert requests.get(f"{server.url}/readyz", timeout=10).status_code == 200
+
+
+def create_bucket(endpoint: str) -> str:
+    bucket = f"ops-{uuid.uuid4().hex[:12]}"
+    connection = http.client.HTTPConnection("127.0.0.1", urlsplit(endpoint).port, timeout=10)
+    try:
+        connection.request("PUT", f"/{bucket}")
+        assert connection.getresponse().status == 200
+    finally:
+        connection.close()
+    return bucket
+
+
+def s3_env(endpoint: str) -> dict[str, str]:
+    return {
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_REGION": "us-east-1",
+    }
+
+
+def test_readyz_on_s3_follows_the_endpoint(start_server: StartServer, moto_s3: str) -> None:
+    bucket = create_bucket(moto_s3)
+    up = start_server(storage_url=f"s3://{bucket}/picomq", env=s3_env(moto_s3))
+    assert requests.get(f"{up.url}/readyz", timeout=30).status_code == 200
+
+    nothing_there = f"http://127.0.0.1:{find_free_port()}"
+    down = start_server(storage_url=f"s3://{bucket}/picomq", env=s3_env(nothing_there))
+    response = requests.get(f"{down.url}/readyz", timeout=60)
+    assert response.status_code == 503
+    assert requests.get(f"{down.url}/healthz", timeout=10).status_code == 200
+
+
+# -- the listing extension ---------------------------------------------------------------
+
+
+def list_all(server: Server, prefix: str, limit: int) -> tuple[list[dict], int]:
+    """Every stream under prefix, following `next`; and how many pages it took."""
+    streams, after, pages = [], None, 0
+    while True:
+        params = {"prefix": prefix, "limit": str(limit)}
+        if after is not None:
+            params["after"] = after
+        response = requests.get(f"{server.url}/v1/streams", params=params, timeout=10)
+        assert response.status_code == 200, response.text
+        body = response.json()
+        streams += body["streams"]
+        pages += 1
+        after = body["next"]
+        if after is None:
+            return streams, pages
+        assert pages < 100, "listing never ends"
+
+
+def test_listing_pages_through_a_prefix_in_path_order(server: Server, unique_stream: str) -> None:
+    paths = [f"{unique_stream}/run-{n}" for n in (3, 1, 4, 5, 9)]
+    for path in paths:
+        create(server, path)
+    requests.post(server.stream_url(paths[0]), data=b'[{"a":1}]', headers={"Content-Type": JSON})
+    requests.post(server.stream_url(paths[1]), headers={"Stream-Closed": "true"})
+    create(server, f"{unique_stream}-elsewhere", "text/plain")
+    requests.delete(server.stream_url(paths[4]))
+
+    streams, pages = list_all(server, f"{unique_stream}/", limit=2)
+
+    assert [s["path"] for s in streams] == sorted(paths[:4])
+    assert pages == 2
+    by_path = {s["path"]: s for s in streams}
+    assert by_path[paths[0]]["bytes"] == len(b'{"a":1},')
+    assert by_path[paths[0]]["contentType"] == JSON
+    assert by_path[paths[1]]["closed"] is True
+    assert by_path[paths[2]] == {
+        "path": paths[2],
+        "contentType": JSON,
+        "bytes": 0,
+        "nextOffset": "0000000000000000_0000000000000000",
+        "closed": False,
+        "ttl": None,
+        "expiresAt": None,
+    }
+
+
+def test_listing_shows_expiry_and_rejects_bad_parameters(
+    server: Server, unique_stream: str
+) -> None:
+    response = requests.put(
+        server.stream_url(unique_stream), headers={"Content-Type": JSON, "Stream-TTL": "3600"}
+    )
+    assert response.status_code == 201
+    body = requests.get(f"{server.url}/v1/streams", params={"prefix": unique_stream}).json()
+    assert [s["ttl"] for s in body["streams"]] == [3600]
+    for params in ({"limit": "0"}, {"limit": "abc"}, {"limit": "1001"}, {"prefix": "x" * 2000}):
+        response = requests.get(f"{server.url}/v1/streams", params=params, timeout=10)
+        assert response.status_code == 400, params
+        assert response.json()["error"]["code"] == "bad_request"
+
+
+def test_a_stream_named_streams_is_still_a_stream(server: Server, unique_stream: str) -> None:
+    path = f"{unique_stream}/streams"
+    create(server, path)
+    assert requests.head(server.stream_url(path), timeout=10).status_code == 200
+    listed = requests.get(f"{server.url}/v1/streams", params={"prefix": path}).json()
+    assert [s["path"] for s in listed["streams"]] == [path]
+
+
+# -- metrics ---------------------------------------------------------------------------------
+
+
+def append_on_new_connection(server: Server, path: str, body: bytes) -> None:
+    with requests.Session() as session:  # a fresh connection: any worker may take it
+        response = session.post(server.stream_url(path), data=body, headers={"Content-Type": JSON})
+        assert response.status_code == 204, response.text
+
+
+def test_metrics_sum_across_workers(start_server: StartServer, unique_stream: str) -> None:
+    server = start_server(workers=2)
+    create(server, unique_stream)
+    body = b'{"n":1}'
+    appended = 0
+    deadline = time.monotonic() + DEADLINE_SECONDS
+    # Append until both workers have served appends (the kernel picks who accepts).
+    while True:
+        for _ in range(10):
+            append_on_new_connection(server, unique_stream, body)
+            appended += 1
+        workers = {e["pid"] for e in access_log(server) if e["method"] == "POST"}
+        if len(workers) == 2:
+            break
+        assert time.monotonic() < deadline, "one worker took every connection"
+
+    for _ in range(5):  # whichever worker answers the scrape, the sums are the same
+        samples = scrape(server)
+        assert samples['picomq_appends_total{content_type="application/json"}'] == appended
+        assert samples['picomq_append_bytes_total{content_type="application/json"}'] == (
+            appended * len(body)
+        )
+        assert samples["picomq_commit_batch_size_sum"] == appended
+        assert samples['picomq_storage_requests_total{operation="put"}'] >= appended + 1
+
+
+def test_metrics_count_reads_live_connections_and_errors(
+    start_server: StartServer, unique_stream: str
+) -> None:
+    server = start_server(long_poll_timeout=0.3)
+    create(server, unique_stream)
+    url = server.stream_url(unique_stream)
+    before = scrape(server)  # the fixture's readiness probe was a read (a 404) already
+    requests.get(url, params={"offset": "-1"}, timeout=10)
+    requests.get(url, params={"offset": "-1", "live": "long-poll"}, timeout=10)
+    requests.get(server.stream_url(f"{unique_stream}-missing"), timeout=10)
+
+    samples = scrape(server)
+    for name, added in (
+        ('picomq_reads_total{mode="catch-up"}', 2),
+        ('picomq_reads_total{mode="long-poll"}', 1),
+        ('picomq_errors_total{status="404"}', 1),
+    ):
+        assert samples[name] - before.get(name, 0) == added, name
+    assert samples.get('picomq_live_connections{mode="sse"}', 0) == 0
+
+    follower = requests.get(url, params={"offset": "-1", "live": "sse"}, stream=True, timeout=10)
+    try:
+        assert follower.status_code == 200
+        next(follower.iter_lines())  # the first event: the response is open
+        assert scrape(server)['picomq_live_connections{mode="sse"}'] == 1
+    finally:
+        follower.close()
+    # The server notices the hang-up on its next keep-alive event and lets go.
+    wait_for(lambda: scrape(server)['picomq_live_connections{mode="sse"}'] == 0, "the SSE to close")
+    assert scrape(server)['picomq_reads_total{mode="sse"}'] == 1
+
+
+def test_a_killed_worker_leaves_no_live_connections_behind(
+    start_server: StartServer, unique_stream: str
+) -> None:
+    server = start_server(long_poll_timeout=5)
+    create(server, unique_stream)
+    url = server.stream_url(unique_stream)
+
+    def wait_on_the_worker() -> None:
+        try:
+            requests.get(url, params={"offset": "-1", "live": "long-poll"}, timeout=20)
+        except requests.ConnectionError:
+            pass  # expected: the worker holding this request is killed
+
+    waiting = threading.Thread(target=wait_on_the_worker)
+    waiting.start()
+    wait_for(
+        lambda: scrape(server).get('picomq_live_connections{mode="long-poll"}') == 1,
+        "the long-poll to start",
+    )
+    worker = {e["pid"] for e in access_log(server) if e["path"] == "/metrics"}.pop()
+    os.kill(worker, signal.SIGKILL)  # gunicorn starts another worker in its place
+    waiting.join(timeout=DEADLINE_SECONDS)
+    wait_for(
+        lambda: scrape_or_none(server, 'picomq_live_connections{mode="long-poll"}') == 0,
+        "the dead worker's gauge to go",
+    )
+
+
+def scrape_or_none(server: Server, name: str) -> float | None:
+    try:
+        return scrape(server).get(name, 0)
+    except requests.ConnectionError:
+        return None  # between the old worker and the new one
+
+
+# -- logs --------------------------------------------------------------------------------------
+
+
+def test_logs_are_json_with_the_request_id_and_no_secrets(
+    server: Server, unique_stream: str
+) -> None:
+    create(server, unique_stream)
+    secret_body = b'{"secret":"body-words-never-logged"}'
+    request_id = f"test-{uuid.uuid4().hex}"
+    response = requests.post(
+        server.stream_url(unique_stream),
+        params={"token": "query-token-never-logged"},
+        data=secret_body,
+        headers={
+            "Content-Type": JSON,
+            "X-Request-Id": request_id,
+            "Authorization": "Bearer header-token-never-logged",
+        },
+        timeout=10,
+    )
+    assert response.status_code == 204
+    assert response.headers["X-Request-Id"] == request_id
+    assert "X-Request-Id" in response.headers["Access-Control-Expose-Headers"]
+
+    wait_for(lambda: any(e.get("request_id") == request_id for e in access_log(server)), "log")
+    [entry] = [e for e in access_log(server) if e.get("request_id") == request_id]
+    assert entry["method"] == "POST"
+    assert entry["path"] == f"/v1/stream/{unique_stream}"
+    assert entry["status"] == 204
+    assert entry["query"] == {}
+    output = server.output()
+    for secret in ("body-words-never-logged", "query-token-never-logged", "header-token"):
+        assert secret not in output
+
+
+def test_a_forged_request_id_is_replaced(server: Server) -> None:
+    response = requests.get(
+        f"{server.url}/healthz", headers={"X-Request-Id": 'x" {"level":"forged"}'}, timeout=10
+    )
+    generated = response.headers["X-Request-Id"]
+    assert len(generated) == 32 and generated.isalnum()
+    other = requests.get(f"{server.url}/healthz", timeout=10).headers["X-Request-Id"]
+    assert other != generated
