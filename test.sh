@@ -20,5 +20,16 @@ if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
     fi
 fi
 
+# The web inspector's test drives Debian's Chromium (through Node's playwright-core).
+if [ ! -x /usr/bin/chromium ]; then
+    if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
+        apt-get update
+        DEBIAN_FRONTEND=noninteractive apt-get install -y chromium
+    else
+        echo "test.sh: /usr/bin/chromium not found; the inspector test will fail." >&2
+        echo "test.sh: install it (Debian: sudo apt-get install chromium)." >&2
+    fi
+fi
+
 .venv/bin/ruff check .
 .venv/bin/python -m pytest "$@"
