@@ -448,9 +448,54 @@ class StreamStore:
     def _index(self, stream: _Stream) -> None:
         """List a stream's segments and packs and read its state from the last one.
 
+        Built aside and swapped in at once: listing yields to other greenlets (S3), and
+        readers must never see a half-built index or a tail older than one they saw.
+        """
+        starts, keys, covered, earliest = self._list_pieces(stream)
+        segments: dict[str, SegmentIndex] = {}
+        state = StreamState(tail=stream.base)
+        while starts:
+            key = keys.get(starts[-1]) or stream.segment_key(starts[-1])
+            try:
+                index, state = self._read_piece(key, whole=True)
+                segments[key] = index
+                break
+            except CorruptSegment as error:
+                self._drop_torn(key, error)
+                keys.pop(starts.pop(), None)
+        while not state.closed:  # segments written while we listed
+            key = stream.segment_key(state.tail)
+            try:
+                index, newer = self._read_piece(key, whole=True)
+            except FileNotFoundError:
+                break
+            except CorruptSegment as error:
+                self._drop_torn(key, error)
+                break
+            starts.append(index.start)
+            segments[key], state = index, newer
+        if stream.state.tail > state.tail:  # our own writer got further meanwhile
+            starts += [start for start in stream.starts if start >= state.tail]
+            state = stream.state
+        stream.starts, stream.keys, stream.segments = starts, keys, segments
+        stream.state, stream.earliest = state, earliest
+        stream.unpacked = len(starts) - len(keys)
+        stream.indexed_at = time.monotonic()
+        if covered:
+            gevent.spawn_later(self.settings.delete_grace, self._delete_quietly, covered)
+        self._schedule_trim(stream)
+
+    def _list_pieces(self, stream: _Stream) -> tuple[list[int], dict[int, str], list[str], int]:
+        """Starts of the pieces in use, pack keys by start, unused keys, earliest offset.
+
         A pack replaces the segments it covers; where two packs overlap (two nodes
         compacted at once) the first one wins and the other is simply not used.
+        Pieces below the earliest offset (retention) are unused too.
         """
+        # Segments before packs: a pack listed here was written before its originals were
+        # deleted, and one written after the segment listing found its originals in it.
+        names = self.objects.list(f"{stream.prefix}/seg")
+        segment_starts = sorted(int(name) for name in names if name.isdigit())
         packs = sorted(
             (int(start), int(end))
             for start, _, end in (
@@ -458,41 +503,28 @@ class StreamStore:
             )
             if start.isdigit() and end.isdigit()
         )
-        names = self.objects.list(f"{stream.prefix}/seg")
-        segment_starts = sorted(int(name) for name in names if name.isdigit())
         trims = self.objects.list(f"{stream.prefix}/trim")
         inherited = stream.config.fork.earliest if stream.config.fork else 0
         earliest = max((int(name) for name in trims if name.isdigit()), default=inherited)
-        starts, keys, covered, covered_to = [], {}, [], -1
-        pieces = sorted([(start, end, True) for start, end in packs] + [
-            (start, start, False) for start in segment_starts
-        ])  # fmt: skip
-        for start, end, is_pack in pieces:
+        starts, keys, unused, covered_to = [], {}, [], -1
+        # At one start, a pack (the longest piece) comes before the segment it replaced.
+        pieces = sorted(
+            [(start, -end, True) for start, end in packs]
+            + [(start, -start, False) for start in segment_starts],
+            key=lambda piece: (piece[0], piece[1], not piece[2]),
+        )
+        for start, negative_end, is_pack in pieces:
+            end = -negative_end
+            key = stream.pack_key(start, end) if is_pack else stream.segment_key(start)
             if start < covered_to or start < earliest:
-                key = stream.pack_key(start, end) if is_pack else stream.segment_key(start)
                 if not is_pack or start < earliest:
-                    covered.append(key)
+                    unused.append(key)
                 continue
             starts.append(start)
             if is_pack:
-                keys[start] = stream.pack_key(start, end)
+                keys[start] = key
                 covered_to = end
-        stream.starts, stream.keys, stream.segments = starts, keys, {}
-        stream.earliest = earliest
-        stream.unpacked = len(starts) - len(keys)
-        stream.indexed_at = time.monotonic()
-        while starts:
-            try:
-                stream.state = self._read_segment(stream, starts[-1], whole=True)[1]
-                break
-            except CorruptSegment as error:
-                torn = starts[-1]
-                self._drop_torn(stream, torn, error)
-                starts.pop()
-                keys.pop(torn, None)
-        if covered:
-            gevent.spawn_later(self.settings.delete_grace, self._delete_quietly, covered)
-        self._schedule_trim(stream)
+        return starts, keys, unused, earliest
 
     def _fresh(self, stream: _Stream) -> _Stream:
         """Re-list an index older than `index_max_age`: compaction may have moved its data.
@@ -545,12 +577,17 @@ class StreamStore:
     def _read_segment(
         self, stream: _Stream, start: int, *, whole: bool = False
     ) -> tuple[SegmentIndex, StreamState]:
-        """Header (and state) of the piece at `start`; `whole` also checks its payload.
+        key = stream.piece_key(start)
+        index, state = self._read_piece(key, whole=whole)
+        stream.segments[key] = index
+        return index, state
+
+    def _read_piece(self, key: str, *, whole: bool = False) -> tuple[SegmentIndex, StreamState]:
+        """Header (and state) of a segment or pack; `whole` also checks its payload.
 
         The last segment of a stream is read whole: it is the one a crash could have
         torn, its state is the stream's, and readers will want its bytes next.
         """
-        key = stream.piece_key(start)
         data = self.cache.get(key)
         if data is None:
             data = (
@@ -563,15 +600,12 @@ class StreamStore:
         if whole:
             verify_payload(data, index)
             self.cache.put(key, data)
-        stream.segments[key] = index
         return index, state
 
-    def _drop_torn(self, stream: _Stream, start: int, error: CorruptSegment) -> None:
+    def _drop_torn(self, key: str, error: CorruptSegment) -> None:
         """A last segment that fails its checks was never acknowledged: remove it."""
-        key = stream.piece_key(start)
         log.warning("dropping torn segment %s: %s", key, error)
         self.objects.delete_many([key])
-        stream.segments.pop(key, None)
 
     def _segment(self, stream: _Stream, start: int) -> SegmentIndex:
         index = stream.segments.get(stream.piece_key(start))
@@ -586,7 +620,7 @@ class StreamStore:
             except FileNotFoundError:
                 break
             except CorruptSegment as error:
-                self._drop_torn(stream, stream.state.tail, error)
+                self._drop_torn(stream.segment_key(stream.state.tail), error)
                 break
             _add_start(stream, index.start)
             stream.state = state
@@ -913,12 +947,12 @@ class StreamStore:
 
     @staticmethod
     def _adopt_pack(stream: _Stream, run: list[int], pack: str) -> None:
-        first = bisect.bisect_left(stream.starts, run[0])
-        del stream.starts[first + 1 : first + len(run)]
-        for start in run:
-            stream.segments.pop(stream.segment_key(start), None)
+        """Swap the pack in by value: the index may have been re-listed meanwhile."""
+        replaced = set(run[1:])
+        stream.starts = [start for start in stream.starts if start not in replaced]
+        _add_start(stream, run[0])
         stream.keys[run[0]] = pack
-        stream.unpacked -= len(run)
+        stream.unpacked = len(stream.starts) - len(stream.keys)
 
     def _delete_quietly(self, keys: list[str]) -> None:
         try:
@@ -1127,6 +1161,9 @@ class StreamStore:
         piece = max(bisect.bisect_right(stream.starts, start) - 1, 0)
         while start < end and piece < len(stream.starts):
             index = self._segment(stream, stream.starts[piece])
+            if index.start > start:
+                stream.indexed_at = 0.0  # re-list before the next request
+                raise StorageUnavailable(f"index of {stream.config.path} has a gap at {start}")
             if index.end > start:
                 length = min(end, index.end) - start
                 key = stream.piece_key(index.start)
