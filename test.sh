@@ -20,14 +20,19 @@ if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
     fi
 fi
 
-# The web inspector's test drives Debian's Chromium (through Node's playwright-core).
-if [ ! -x /usr/bin/chromium ]; then
+# The web inspector's test drives Debian's Chromium (through Node's playwright-core);
+# the deploy test runs the shipped nginx site.
+missing_packages=""
+[ -x /usr/bin/chromium ] || missing_packages="chromium"
+[ -x /usr/sbin/nginx ] || missing_packages="$missing_packages nginx"
+if [ -n "$missing_packages" ]; then
     if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
         apt-get update
-        DEBIAN_FRONTEND=noninteractive apt-get install -y chromium
+        # shellcheck disable=SC2086 # one word per package
+        DEBIAN_FRONTEND=noninteractive apt-get install -y $missing_packages
     else
-        echo "test.sh: /usr/bin/chromium not found; the inspector test will fail." >&2
-        echo "test.sh: install it (Debian: sudo apt-get install chromium)." >&2
+        echo "test.sh: not installed:$missing_packages; the inspector or deploy test will fail." >&2
+        echo "test.sh: install them (Debian: sudo apt-get install chromium nginx)." >&2
     fi
 fi
 
