@@ -7,9 +7,12 @@ finish instead of cutting them.
 """
 
 import glob
+import ipaddress
 import os
 import shutil
 import tempfile
+
+from gunicorn.arbiter import Arbiter
 
 from settings import Settings, SettingsError
 
@@ -29,6 +32,42 @@ timeout = 30
 graceful_timeout = 75
 keepalive = 5  # short: an idle keep-alive connection delays a graceful stop
 control_socket_disable = True
+# Past these gunicorn itself answers 431 or 400 (HTML) and the app never sees the request.
+# A request line of 8190 bytes (gunicorn's most) fits the longest stream path, percent-
+# encoded, plus the read parameters and an access_token.
+limit_request_line = 8190
+limit_request_field_size = settings.max_header_bytes
+limit_request_fields = settings.max_headers
+
+
+def when_ready(server: Arbiter) -> None:
+    """Warn when a server that checks no tokens listens beyond this machine."""
+    exposed = [address for address in server.cfg.bind if not is_loopback(address)]
+    if exposed and not settings.auth_enabled:
+        server.log.warning(
+            "picomq: listening on %s with access control off: anyone who can reach it may"
+            " read, write and delete every stream. Set PICOMQ_JWT_SECRET or"
+            " PICOMQ_JWT_PUBLIC_KEY (README: Securing a deployment).",
+            ", ".join(exposed),
+        )
+
+
+def is_loopback(address: str) -> bool:
+    """Whether a gunicorn bind address stays on this machine (a host name other than
+    localhost counts as reachable: no DNS lookup decides a security warning)."""
+    if address.startswith(("unix:", "fd://")):
+        return True
+    host = address
+    if host.startswith("["):
+        host = host[1:].partition("]")[0]
+    elif host.count(":") == 1:
+        host = host.partition(":")[0]
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 # prometheus-client counts in files that all workers share (see metrics.py): the master

@@ -23,6 +23,7 @@ from flask import Flask, request
 from flask import Response as FlaskResponse
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
+from limits import LiveConnections, json_nests_deeper_than
 from metrics import MeasuredObjectStore
 from settings import Settings
 from storage import (
@@ -204,8 +205,10 @@ def read_body() -> bytes:
     return body
 
 
-def parse_json_messages(body: bytes, *, allow_empty: bool) -> list[bytes]:
+def parse_json_messages(body: bytes, *, allow_empty: bool, max_depth: int) -> list[bytes]:
     """One message per top-level array item (one level of flattening), or the value."""
+    if json_nests_deeper_than(body, max_depth):
+        raise BadRequest(f"body is not valid JSON or nests deeper than {max_depth} levels")
     if WIDE_NUMBER.search(body):
         value = _parse_json_strictly(body)
     else:
@@ -332,6 +335,9 @@ def create_app(settings: Settings, store: StreamStore | None = None) -> Flask:
     app.config["MAX_CONTENT_LENGTH"] = settings.max_request_bytes
     app.url_map.merge_slashes = False
     app.url_map.strict_slashes = False
+    from auth import register_auth  # here: it builds on this module; first, so it runs first
+
+    register_auth(app, settings)
     store = store or create_store(settings)
     app.extensions["picomq.store"] = store
     views = StreamViews(store, settings)
@@ -374,6 +380,7 @@ class StreamViews:
     def __init__(self, store: StreamStore, settings: Settings) -> None:
         self.store = store
         self.settings = settings
+        self.live_connections = LiveConnections(settings.max_live_connections)
 
     def dispatch(self, path: str) -> Response:
         handlers = {
@@ -461,10 +468,12 @@ class StreamViews:
             retention_bytes=parse_optional_decimal(RETENTION_BYTES),
         )
 
-    @staticmethod
-    def parse_payload(content_type: str, body: bytes, *, allow_empty: bool) -> Payload:
+    def parse_payload(self, content_type: str, body: bytes, *, allow_empty: bool) -> Payload:
         if is_json_type(content_type):
-            return Payload.from_messages(parse_json_messages(body, allow_empty=allow_empty))
+            messages = parse_json_messages(
+                body, allow_empty=allow_empty, max_depth=self.settings.max_json_depth
+            )
+            return Payload.from_messages(messages)
         return Payload(body)
 
     # -- POST -----------------------------------------------------------------------
@@ -546,11 +555,19 @@ class StreamViews:
             return self.catch_up(path, offset_text)
         if offset_text is None:
             raise BadRequest("live reads need an offset")
-        if live == "long-poll":
-            return self.long_poll(path, offset_text)
-        if live == "sse":
-            return self.sse(path, offset_text)
-        raise BadRequest("live must be 'long-poll' or 'sse'")
+        if live not in ("long-poll", "sse"):
+            raise BadRequest("live must be 'long-poll' or 'sse'")
+        if not self.live_connections.admit():
+            return error_response(
+                503, "too_many_live_connections", "this worker serves its most live reads; retry",
+                {"Retry-After": RETRY_AFTER_SECONDS},
+            )  # fmt: skip
+        try:
+            view = self.long_poll if live == "long-poll" else self.sse
+            return self.live_connections.hold_until_closed(view(path, offset_text))
+        except BaseException:
+            self.live_connections.release()  # no response will be closed to release it
+            raise
 
     def resolve_offset(self, path: str, offset_text: str | None) -> int | None:
         """-1 (or none) is the start; 'now' is the current tail, read at request time."""
@@ -651,3 +668,9 @@ def format_control_event(info: StreamInfo, offset: int, cursor: str) -> bytes:
     if at_tail:
         control["upToDate"] = True
     return b"event: control\ndata:" + orjson.dumps(control) + b"\n\n"
+
+
+if __name__ == "__main__":  # `python -m picomq <command>`: the operator commands in cli.py
+    from cli import main
+
+    main(prog_name="python -m picomq")

@@ -10,6 +10,16 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
+from pathlib import Path
+
+from cryptography.exceptions import UnsupportedAlgorithm
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.rsa import RSAPublicKey
+from cryptography.hazmat.primitives.serialization import load_pem_public_key
+
+MIN_JWT_SECRET_BYTES = 32  # HS256: a key at least as long as the hash (RFC 7518 3.2)
+MIN_RSA_KEY_BITS = 2048
+MAX_JSON_DEPTH = 200  # below orjson's own limits, so its fast path always serves
 
 
 class SettingsError(ValueError):
@@ -50,12 +60,48 @@ def _non_empty(text: str) -> str:
     return text.strip()
 
 
+def _json_depth(text: str) -> int:
+    value = _positive_int(text)
+    if value > MAX_JSON_DEPTH:
+        raise ValueError(f"must be at most {MAX_JSON_DEPTH}")
+    return value
+
+
+def _optional_text(text: str) -> str | None:
+    return text.strip() or None
+
+
+def _optional_jwt_secret(text: str) -> str | None:
+    if not text:
+        return None
+    if len(text.encode()) < MIN_JWT_SECRET_BYTES:
+        raise ValueError(f"must be at least {MIN_JWT_SECRET_BYTES} bytes")
+    return text
+
+
+def _optional_public_key(text: str) -> str | None:
+    """PEM text, or the path of a PEM file; an Ed25519 or RSA (2048 bits or more) public key."""
+    if not text.strip():
+        return None
+    try:
+        pem = text if text.lstrip().startswith("-----BEGIN") else Path(text.strip()).read_text()
+        key = load_pem_public_key(pem.encode())
+    except (OSError, ValueError, UnsupportedAlgorithm) as error:
+        raise ValueError(f"not a readable PEM public key ({type(error).__name__})") from error
+    if isinstance(key, RSAPublicKey) and key.key_size >= MIN_RSA_KEY_BITS:
+        return pem
+    if isinstance(key, Ed25519PublicKey):
+        return pem
+    raise ValueError(f"must be an Ed25519 key or an RSA key of {MIN_RSA_KEY_BITS} bits or more")
+
+
 @dataclass(frozen=True)
 class Setting:
     name: str
     default: str
     parse: Callable[[str], object]
     doc: str
+    secret: bool = False  # never echo the value, even in an error
 
 
 SETTINGS: tuple[Setting, ...] = (
@@ -100,6 +146,50 @@ SETTINGS: tuple[Setting, ...] = (
         str(4 * 1024 * 1024),
         _positive_int,
         "Most bytes of stream data in one catch-up response; Stream-Next-Offset continues it.",
+    ),
+    Setting(
+        "max_json_depth",
+        "128",
+        _json_depth,
+        "Deepest nesting of arrays and objects in a JSON body (the outer array counts);"
+        " deeper gets 400.",
+    ),
+    Setting(
+        "max_header_bytes",
+        "8190",
+        _positive_int,
+        "Longest request header line gunicorn accepts, in bytes; longer gets gunicorn's 431.",
+    ),
+    Setting(
+        "max_headers",
+        "100",
+        _positive_int,
+        "Most header fields in one request; more gets gunicorn's 431.",
+    ),
+    Setting(
+        "max_live_connections",
+        "5000",
+        _positive_int,
+        "Long-poll and SSE reads each worker serves at once; one more gets 503 with Retry-After.",
+    ),
+    Setting(
+        "jwt_secret",
+        "",
+        _optional_jwt_secret,
+        "HS256 key (32 bytes or more) that turns access control on; empty: off (see README).",
+        secret=True,
+    ),
+    Setting(
+        "jwt_public_key",
+        "",
+        _optional_public_key,
+        "Ed25519 or RSA public key, PEM text or a PEM file's path, that turns access control on.",
+    ),
+    Setting(
+        "jwt_audience",
+        "",
+        _optional_text,
+        "When set, tokens must carry this aud claim; empty: aud is not checked.",
     ),
     Setting(
         "cache_bytes",
@@ -153,6 +243,13 @@ class Settings:
     sse_max_duration: float
     max_request_bytes: int
     max_read_bytes: int
+    max_json_depth: int
+    max_header_bytes: int
+    max_headers: int
+    max_live_connections: int
+    jwt_secret: str | None
+    jwt_public_key: str | None
+    jwt_audience: str | None
     cache_bytes: int
     retention_age: int | None
     retention_bytes: int | None
@@ -169,8 +266,16 @@ class Settings:
             try:
                 values[setting.name] = setting.parse(text)
             except ValueError as error:
-                raise SettingsError(f"{variable}={text!r}: {error}") from error
+                shown = "(secret)" if setting.secret else repr(text)
+                raise SettingsError(f"{variable}={shown}: {error}") from error
+        if values["jwt_secret"] and values["jwt_public_key"]:
+            raise SettingsError("set PICOMQ_JWT_SECRET or PICOMQ_JWT_PUBLIC_KEY, not both")
         return Settings(**values)
+
+    @property
+    def auth_enabled(self) -> bool:
+        """Access control is on exactly when a key to verify tokens is configured."""
+        return bool(self.jwt_secret or self.jwt_public_key)
 
 
 assert [setting.name for setting in SETTINGS] == [field.name for field in fields(Settings)]

@@ -11,6 +11,7 @@ import http.client
 import json
 import os
 import socket
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,6 +21,8 @@ from urllib.parse import urlsplit
 
 import pytest
 import requests
+
+from settings import Settings, SettingsError
 
 if TYPE_CHECKING:
     from conftest import Server, StartServer
@@ -444,7 +447,9 @@ def test_malformed_json_bodies_are_400(server: Server, json_stream: str, body: b
 
 
 def test_deeply_nested_valid_json_is_never_a_5xx(json_stream: str) -> None:
-    for depth in (500, 5_000, 50_000):
+    # 990 and 1,020 once got 500: orjson parsed them, then the stdlib fallback that
+    # serialised each message ran out of recursion. The depth limit now refuses them.
+    for depth in (500, 990, 1_020, 5_000, 50_000):
         body = b"[" * depth + b"]" * depth
         response = requests.post(json_stream, data=body, headers=JSON)
         assert response.status_code < 500, (depth, response.content)
@@ -492,3 +497,160 @@ def test_invalid_long_poll_timeout_stops_the_boot_with_a_message(
     assert "exited before answering HTTP" in message, message
     assert "PICOMQ_LONG_POLL_TIMEOUT" in message and value in message, message
     assert "Traceback" not in message, message
+
+
+# -- JSON nesting depth -----------------------------------------------------------------
+
+DEFAULT_MAX_JSON_DEPTH = 128
+
+
+def nested_json(depth: int) -> bytes:
+    """Arrays and objects alternating, `depth` deep counting the outer array."""
+    opening = b"".join(b"[" if level % 2 == 0 else b'{"k":' for level in range(depth))
+    closing = b"".join(b"]" if level % 2 == 0 else b"}" for level in reversed(range(depth)))
+    return opening + b"1" + closing
+
+
+@pytest.mark.parametrize("method", ["POST", "PUT"])
+def test_json_at_the_depth_limit_is_stored_and_one_level_deeper_is_400(
+    server: Server, method: str
+) -> None:
+    url = server.stream_url(f"depth-{uuid.uuid4().hex[:12]}")
+    if method == "POST":
+        assert requests.put(url, headers=JSON).status_code == 201
+    deepest = nested_json(DEFAULT_MAX_JSON_DEPTH)
+    response = requests.request(method, url, data=deepest, headers=JSON)
+    assert response.status_code in (201, 204), response.content
+    assert json.loads(requests.get(url).content) == json.loads(deepest)
+
+    fresh = server.stream_url(f"too-deep-{uuid.uuid4().hex[:12]}")
+    target = url if method == "POST" else fresh
+    response = requests.request(
+        method, target, data=nested_json(DEFAULT_MAX_JSON_DEPTH + 1), headers=JSON
+    )
+    assert_json_error(response, 400)
+    assert str(DEFAULT_MAX_JSON_DEPTH) in response.json()["error"]["message"]
+    assert json.loads(requests.get(url).content) == json.loads(deepest)
+    assert requests.head(fresh).status_code == 404
+
+
+def test_brackets_inside_json_strings_do_not_count(json_stream: str) -> None:
+    text = '[[[{{"\\"[' * 100
+    body = json.dumps([{"text": text, "more": ["]" * 300, "[" * 300]}]).encode()
+    response = requests.post(json_stream, data=body, headers=JSON)
+    assert response.status_code == 204, response.content
+    assert json.loads(requests.get(json_stream).content) == json.loads(body)
+
+
+def test_json_depth_limit_is_configurable(start_server: StartServer) -> None:
+    server = start_server(env={"PICOMQ_MAX_JSON_DEPTH": "3"})
+    url = server.stream_url(f"depth3-{uuid.uuid4().hex[:12]}")
+    assert requests.put(url, headers=JSON).status_code == 201
+    assert requests.post(url, data=nested_json(3), headers=JSON).status_code == 204
+    assert_json_error(requests.post(url, data=nested_json(4), headers=JSON), 400)
+    assert requests.get(url).json() == [json.loads(nested_json(3))[0]]
+
+
+@pytest.mark.parametrize("value", ["0", "201", "deep"])
+def test_json_depth_setting_is_validated(value: str) -> None:
+    with pytest.raises(SettingsError, match="PICOMQ_MAX_JSON_DEPTH"):
+        Settings.from_environment({"PICOMQ_MAX_JSON_DEPTH": value})
+
+
+# -- live connections per worker ----------------------------------------------------------
+
+
+def open_sse(url: str) -> requests.Response:
+    """An SSE read surely in flight: its first event has arrived."""
+    response = requests.get(url, params={"offset": "-1", "live": "sse"}, stream=True, timeout=30)
+    assert response.status_code == 200, response.content
+    assert b"event: control" in next(response.iter_content(chunk_size=None))
+    return response
+
+
+def assert_busy(response: requests.Response) -> None:
+    assert response.status_code == 503, (response.status_code, response.content[:200])
+    assert response.headers["Content-Type"] == "application/json"
+    assert response.json()["error"]["code"] == "too_many_live_connections"
+    assert response.headers["Retry-After"].isdigit()
+
+
+def wait_until_admitted(url: str) -> requests.Response:
+    """Long-poll until the server has a free slot again (it notices a gone client when it
+    next writes to it); fails after a generous deadline rather than asserting speed."""
+    deadline = time.monotonic() + 30
+    while True:
+        response = requests.get(url, params={"offset": "now", "live": "long-poll"}, timeout=30)
+        if response.status_code != 503 or time.monotonic() > deadline:
+            return response
+        time.sleep(0.1)
+
+
+def test_live_reads_past_the_limit_get_503_and_their_slots_come_back(
+    start_server: StartServer,
+) -> None:
+    server = start_server(env={"PICOMQ_MAX_LIVE_CONNECTIONS": "2"})
+    url = server.stream_url(f"live-{uuid.uuid4().hex[:12]}")
+    assert requests.put(url, data=b"seed", headers=OCTETS).status_code == 201
+
+    first, second = open_sse(url), open_sse(url)
+    assert_busy(requests.get(url, params={"offset": "-1", "live": "sse"}, timeout=30))
+    assert_busy(requests.get(url, params={"offset": "-1", "live": "long-poll"}, timeout=30))
+    # Everything that does not wait is still served.
+    assert requests.get(url, params={"offset": "-1"}).content == b"seed"
+    assert requests.post(url, data=b"+", headers=OCTETS).status_code == 204
+    assert requests.head(url).status_code == 200
+
+    first.close()
+    assert wait_until_admitted(url).status_code == 204
+    second.close()
+    assert wait_until_admitted(url).status_code == 204
+
+
+def test_finished_live_reads_give_their_slots_back(start_server: StartServer) -> None:
+    server = start_server(env={"PICOMQ_MAX_LIVE_CONNECTIONS": "1"})
+    url = server.stream_url(f"live1-{uuid.uuid4().hex[:12]}")
+    assert requests.put(url, data=b"seed", headers=OCTETS).status_code == 201
+    for _ in range(3):  # 204 after the timeout, and 200 with data: each releases its slot
+        waited = requests.get(url, params={"offset": "now", "live": "long-poll"}, timeout=30)
+        assert waited.status_code == 204, waited.content
+        data = requests.get(url, params={"offset": "-1", "live": "long-poll"}, timeout=30)
+        assert data.status_code == 200, data.content
+        refused = requests.get(url, params={"offset": "x", "live": "long-poll"}, timeout=30)
+        assert_json_error(refused, 400)
+    assert requests.post(url, headers={"Stream-Closed": "true"}).status_code == 204
+    for _ in range(3):  # an SSE read of a closed stream ends by itself
+        with requests.get(url, params={"offset": "-1", "live": "sse"}, timeout=30) as response:
+            assert response.status_code == 200, response.content
+            assert b"streamClosed" in response.content
+
+
+# -- header and request-line sizes ------------------------------------------------------
+
+
+def test_headers_past_the_limits_are_refused_by_gunicorn(start_server: StartServer) -> None:
+    server = start_server(env={"PICOMQ_MAX_HEADER_BYTES": "1024", "PICOMQ_MAX_HEADERS": "20"})
+    url = server.stream_url(f"headers-{uuid.uuid4().hex[:12]}")
+    target = urlsplit(url).path.encode()
+    fitting = {"X-Pad": "p" * 900, **{f"X-Extra-{n}": "1" for n in range(10)}}
+    assert send_raw(server, "PUT", target, fitting).status == 201
+    too_long = send_raw(server, "GET", target, {"X-Pad": "p" * 2000})
+    too_many = send_raw(server, "GET", target, {f"X-Extra-{n}": "1" for n in range(30)})
+    for response in (too_long, too_many):
+        assert response.status == 431, (response.status, response.body[:200])
+    assert_server_answers(server)
+
+
+def test_longest_path_percent_encoded_with_a_token_sized_query_fits_the_request_line(
+    server: Server,
+) -> None:
+    """1,024 bytes of two-byte UTF-8 become 3,072 characters of %XX in the request line."""
+    path = "\u00e9" * (1024 // 2)
+    url = server.stream_url(path)
+    put = requests.put(url, headers=OCTETS)
+    assert put.status_code in (200, 201), put.content
+    cursor = "1" * 1200
+    response = requests.get(
+        url, params={"offset": "-1", "cursor": cursor, "access_token": "t" * 900}
+    )
+    assert response.status_code == 200, response.content

@@ -1,0 +1,368 @@
+"""Access control: who may create, append to, read and delete which stream.
+
+Off unless a key is configured (`PICOMQ_JWT_SECRET` for HS256, or `PICOMQ_JWT_PUBLIC_KEY`
+for EdDSA or RS256). Then every request carries a JWT, as `Authorization: Bearer <jwt>`
+or, for browsers' EventSource, as the `access_token` query parameter, with an `exp`
+and a `scope` claim: space-separated `action:pattern` grants, where a pattern is a
+stream path in which `*` matches one segment (or, inside a segment, any characters of
+it) and `**` any number of segments, none included.
+
+What each request needs:
+
+    PUT     create on the path, and read on the Stream-Forked-From source if given
+    POST    append (closing a stream is an append)
+    GET     read            HEAD   read            DELETE   delete
+    OPTIONS nothing: CORS preflights never carry credentials
+    __ds/…  admin on `__ds/…`, except jwks.json (the public key webhook receivers
+            fetch) and the wake-token routes (callback, ack, release), which carry a
+            token the server issued for one wake and subscriptions.py checks itself
+    other   admin on the URL path without its leading slash (`admin:**` is everything),
+            except /healthz, /readyz and the inspector page, which need no token
+
+Missing or invalid credentials get 401 with `WWW-Authenticate`; a valid token without
+the grant gets 403. The decision is made from the token and the request alone, before
+any view runs and without asking the store, so a caller who may not read a path gets
+the same answer whether a stream exists there or not. Signatures are checked by PyJWT
+(HMAC compared in constant time); the token is taken out of the query string before
+Flask, or any log line, sees the URL.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import unquote_plus
+
+import jwt
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.rsa import RSAPrivateKey
+from cryptography.hazmat.primitives.serialization import load_pem_private_key, load_pem_public_key
+from flask import Flask, Response, g, request
+
+from picomq import (
+    FORKED_FROM,
+    RESERVED_PREFIX,
+    STREAM_PREFIX,
+    BadRequest,
+    error_response,
+    parse_fork_source,
+)
+from settings import Settings
+
+log = logging.getLogger("picomq.auth")
+
+ACTIONS = ("read", "append", "create", "delete", "admin")
+ACTION_OF_METHOD = {
+    "GET": "read",
+    "HEAD": "read",
+    "PUT": "create",
+    "POST": "append",
+    "DELETE": "delete",
+}
+TOKEN_PARAMETER = "access_token"
+TOKEN_ENVIRON_KEY = "picomq.access_tokens"
+MAX_TOKEN_CHARS = 8192
+LEEWAY_SECONDS = 30  # clock skew allowed on exp, nbf and iat
+CHALLENGE = 'Bearer realm="picomq"'
+WAKE_TOKEN_ACTIONS = frozenset({"callback", "ack", "release"})
+# Public by nature: the webhook-verification key, probes that balancers send without
+# credentials, and the inspector's static page (its requests carry their own token).
+ANONYMOUS_ENDPOINTS = frozenset({"subscriptions.jwks", "healthz", "readyz", "inspector"})
+DURATION = re.compile(r"(\d{1,9})([smhd]?)")
+SECONDS_PER_UNIT = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+class AuthError(Exception):
+    """A request refused before its view: `status` 400, 401 or 403, RFC 6750 `error`."""
+
+    def __init__(self, status: int, error: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.error = error
+
+
+# -- scopes -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Grant:
+    """One `action:pattern` item of a token's scope."""
+
+    action: str
+    pattern: tuple[str, ...]
+
+    def allows(self, action: str, path: str) -> bool:
+        return action == self.action and matches(self.pattern, tuple(path.split("/")))
+
+
+def parse_scope(scope: str, *, strict: bool = False) -> tuple[Grant, ...]:
+    """The grants in a space-separated scope.
+
+    The server skips items it does not understand (they grant nothing, and a newer
+    minter may know actions this server does not); `strict` (for the token command)
+    raises ValueError on them instead, so an operator's typo is caught when minting.
+    """
+    grants = []
+    for item in scope.split():
+        action, _, pattern = item.partition(":")
+        segments = tuple(pattern.strip("/").split("/"))
+        problem = scope_item_problem(action, segments)
+        if problem is None:
+            grants.append(Grant(action, segments))
+        elif strict:
+            raise ValueError(f"scope item {item!r}: {problem}")
+    return tuple(grants)
+
+
+def scope_item_problem(action: str, segments: tuple[str, ...]) -> str | None:
+    if action not in ACTIONS:
+        return f"action must be one of {', '.join(ACTIONS)}"
+    if any(segment in ("", ".", "..") for segment in segments):
+        return "the pattern needs a path with no empty, '.' or '..' segments"
+    if any("**" in segment and segment != "**" for segment in segments):
+        return "'**' must be a whole segment"
+    return None
+
+
+def matches(pattern: tuple[str, ...], path: tuple[str, ...]) -> bool:
+    """Whether a pattern's segments match a path's, in O(len(pattern) * len(path))."""
+    reachable = {0}  # how many path segments the pattern so far can have consumed
+    for segment in pattern:
+        if segment == "**":
+            reachable = set(range(min(reachable), len(path) + 1))
+        else:
+            matcher = segment_matcher(segment)
+            reachable = {i + 1 for i in reachable if i < len(path) and matcher(path[i])}
+        if not reachable:
+            return False
+    return len(path) in reachable
+
+
+@functools.lru_cache(maxsize=4096)
+def segment_matcher(segment: str) -> Callable[[str], bool]:
+    if "*" not in segment:
+        return segment.__eq__
+    pieces = (re.escape(piece) for piece in segment.split("*"))
+    expression = re.compile("[^/]*".join(pieces))
+    return lambda text: expression.fullmatch(text) is not None
+
+
+# -- tokens -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Verifier:
+    """Checks tokens with the one key and algorithm the settings name."""
+
+    key: object
+    algorithm: str
+    audience: str | None
+
+    @staticmethod
+    def from_settings(settings: Settings) -> Verifier | None:
+        """None when access control is off (no key configured)."""
+        if settings.jwt_secret:
+            return Verifier(settings.jwt_secret.encode(), "HS256", settings.jwt_audience)
+        if settings.jwt_public_key:  # settings.py accepted only Ed25519 and RSA keys
+            key = load_pem_public_key(settings.jwt_public_key.encode())
+            algorithm = "EdDSA" if isinstance(key, Ed25519PublicKey) else "RS256"
+            return Verifier(key, algorithm, settings.jwt_audience)
+        return None
+
+    def grants_of(self, token: str) -> tuple[Grant, ...]:
+        """The token's grants; AuthError(401) unless it is signed by our key and current."""
+        if len(token) > MAX_TOKEN_CHARS:
+            raise AuthError(401, "invalid_token", "token is too long")
+        try:
+            claims = jwt.decode(
+                token,
+                self.key,
+                algorithms=[self.algorithm],
+                audience=self.audience,
+                leeway=LEEWAY_SECONDS,
+                options={
+                    "require": ["exp"],
+                    "verify_aud": self.audience is not None,
+                    "enforce_minimum_key_length": True,
+                },
+            )
+        except jwt.ExpiredSignatureError as error:
+            raise AuthError(401, "invalid_token", "token expired") from error
+        except jwt.PyJWTError as error:
+            raise AuthError(401, "invalid_token", f"token refused: {describe(error)}") from error
+        scope = claims.get("scope", "")
+        if not isinstance(scope, str):
+            raise AuthError(401, "invalid_token", "scope must be a space-separated string")
+        return parse_scope(scope)
+
+
+def describe(error: jwt.PyJWTError) -> str:
+    """A reason for the caller that never quotes the token (PyJWT's messages do not)."""
+    return re.sub(r"(?<!^)(?=[A-Z])", " ", type(error).__name__).lower()
+
+
+def load_signing_key(text: str) -> tuple[object, str]:
+    """A private key (PEM text or a PEM file's path) and its algorithm, for minting."""
+    pem = text if text.lstrip().startswith("-----BEGIN") else Path(text.strip()).read_text()
+    key = load_pem_private_key(pem.encode(), password=None)
+    if isinstance(key, Ed25519PrivateKey):
+        return key, "EdDSA"
+    if isinstance(key, RSAPrivateKey):
+        return key, "RS256"
+    raise ValueError("the private key must be Ed25519 or RSA")
+
+
+def parse_ttl(text: str) -> int:
+    """Seconds in `90`, `90s`, `15m`, `1h` or `7d`; ValueError for anything else."""
+    match = DURATION.fullmatch(text.strip())
+    if match is None or int(match.group(1)) == 0:
+        raise ValueError(f"{text!r} is not a duration such as 90s, 15m, 1h or 7d")
+    return int(match.group(1)) * SECONDS_PER_UNIT[match.group(2)]
+
+
+def mint_token(
+    key: object,
+    algorithm: str,
+    scope: str,
+    ttl_seconds: int,
+    *,
+    subject: str | None = None,
+    audience: str | None = None,
+) -> str:
+    """A signed JWT with `scope`, `iat` and `exp` (and `sub`, `aud` when given)."""
+    parse_scope(scope, strict=True)
+    now = int(time.time())
+    claims: dict[str, object] = {"scope": " ".join(scope.split()), "iat": now}
+    claims["exp"] = now + ttl_seconds
+    if subject:
+        claims["sub"] = subject
+    if audience:
+        claims["aud"] = audience
+    return jwt.encode(claims, key, algorithm=algorithm)
+
+
+# -- the HTTP edge ------------------------------------------------------------------
+
+
+class TokenOutOfQuery:
+    """WSGI middleware: move `access_token` from the query string into the environ.
+
+    Runs before Flask parses the URL, and rewrites QUERY_STRING, RAW_URI and
+    REQUEST_URI in place, so no log line (ours, or gunicorn's access log, which reads
+    the same environ) can print the token. Other parameters are kept byte for byte.
+    """
+
+    def __init__(self, app: Callable) -> None:
+        self.app = app
+
+    def __call__(self, environ: dict, start_response: Callable) -> Iterable[bytes]:
+        query = environ.get("QUERY_STRING", "")
+        if TOKEN_PARAMETER in unquote_plus(query):
+            kept, tokens = [], []
+            for part in query.split("&"):
+                name, _, value = part.partition("=")
+                if unquote_plus(name) == TOKEN_PARAMETER:
+                    tokens.append(unquote_plus(value))
+                else:
+                    kept.append(part)
+            environ[TOKEN_ENVIRON_KEY] = tokens
+            environ["QUERY_STRING"] = "&".join(kept)
+            for key in ("RAW_URI", "REQUEST_URI"):
+                if key in environ:
+                    target = environ[key].partition("?")[0]
+                    environ[key] = f"{target}?{environ['QUERY_STRING']}" if kept else target
+        return self.app(environ, start_response)
+
+
+def bearer_token() -> str | None:
+    """The token from the Authorization header or the query; None when neither has one."""
+    tokens = request.environ.get(TOKEN_ENVIRON_KEY, [])
+    scheme, _, credentials = request.headers.get("Authorization", "").partition(" ")
+    from_header = credentials.strip() if scheme.lower() == "bearer" else ""
+    if len(tokens) > 1 or (tokens and from_header):
+        raise AuthError(400, "invalid_request", "send one token, in one place")
+    return from_header or (tokens[0] if tokens else None)
+
+
+def required_grants(anonymous_endpoints: frozenset[str]) -> list[tuple[str, str]] | None:
+    """The (action, path) pairs this request needs; None when it needs no token."""
+    if request.method == "OPTIONS" or request.endpoint in anonymous_endpoints:
+        return None
+    view_args = request.view_args or {}
+    if request.endpoint == "subscriptions.action" and view_args["action"] in WAKE_TOKEN_ACTIONS:
+        return None
+    if not request.path.startswith(STREAM_PREFIX):
+        return [("admin", request.path.lstrip("/"))]
+    # The stream view's own argument, so the path checked is the path served.
+    path = view_args["path"] if request.endpoint == "stream" else request.path[len(STREAM_PREFIX) :]
+    if path.split("/", 1)[0] == RESERVED_PREFIX:
+        return [("admin", path)]
+    action = ACTION_OF_METHOD.get(request.method)
+    if action is None:
+        return []  # a method streams do not have: 405 for anyone with a valid token
+    needed = [(action, path)]
+    source = request.headers.get(FORKED_FROM)
+    if action == "create" and source is not None:
+        try:
+            needed.append(("read", parse_fork_source(source)))
+        except BadRequest:
+            pass  # the view refuses this source with 400 before it touches any stream
+    return needed
+
+
+def refusal(error: AuthError) -> Response:
+    challenge = CHALLENGE if error.status == 401 and error.error == "missing_token" else (
+        f'{CHALLENGE}, error="{error.error}", error_description="{error}"'
+    )  # fmt: skip
+    headers = {"WWW-Authenticate": challenge, "Cache-Control": "no-store"}
+    return error_response(error.status, error.error, str(error), headers)
+
+
+def register_auth(app: Flask, settings: Settings) -> None:
+    """Check every request's token before its view, when a key is configured.
+
+    Other modules name endpoints that need no token with `allow_anonymous`.
+    """
+    app.extensions["picomq.anonymous_endpoints"] = set(ANONYMOUS_ENDPOINTS)
+    verifier = Verifier.from_settings(settings)
+    if verifier is None:
+        return
+    app.wsgi_app = TokenOutOfQuery(app.wsgi_app)
+
+    @app.before_request
+    def authorize() -> Response | None:
+        try:
+            needed = required_grants(frozenset(app.extensions["picomq.anonymous_endpoints"]))
+            if needed is None:
+                return None
+            token = bearer_token()
+            if token is None:
+                raise AuthError(401, "missing_token", "send a token: Authorization: Bearer")
+            grants = verifier.grants_of(token)
+            g.picomq_credentialed = True
+            for action, path in needed:
+                if not any(grant.allows(action, path) for grant in grants):
+                    raise AuthError(403, "insufficient_scope", f"the token does not grant {action}")
+        except AuthError as error:
+            log.info("refused %s %s: %s", request.method, request.path, error)
+            return refusal(error)
+        return None
+
+    @app.after_request
+    def keep_private(response: Response) -> Response:
+        """A response chosen by credentials must never be served from a shared cache."""
+        if g.get("picomq_credentialed"):
+            cache_control = response.headers.get("Cache-Control", "private")
+            response.headers["Cache-Control"] = cache_control.replace("public", "private")
+            response.vary.add("Authorization")
+        return response
+
+
+def allow_anonymous(app: Flask, endpoint: str) -> None:
+    """Let requests to `endpoint` through without a token (health checks, for example)."""
+    app.extensions["picomq.anonymous_endpoints"].add(endpoint)
