@@ -329,10 +329,10 @@ def register_auth(app: Flask, settings: Settings) -> None:
     Other modules name endpoints that need no token with `allow_anonymous`.
     """
     app.extensions["picomq.anonymous_endpoints"] = set(ANONYMOUS_ENDPOINTS)
+    app.wsgi_app = TokenOutOfQuery(app.wsgi_app)  # even when off: clients may still send one
     verifier = Verifier.from_settings(settings)
     if verifier is None:
         return
-    app.wsgi_app = TokenOutOfQuery(app.wsgi_app)
 
     @app.before_request
     def authorize() -> Response | None:

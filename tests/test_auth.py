@@ -433,13 +433,10 @@ def test_sse_with_access_token_in_the_query(auth_server: Server) -> None:
 # -- tokens never reach the logs --------------------------------------------------------
 
 
-def test_tokens_never_appear_in_logs(start_server: StartServer) -> None:
-    server = start_server(
-        env={
-            "PICOMQ_JWT_SECRET": SECRET,
-            "GUNICORN_CMD_ARGS": "--access-logfile -",
-        }
-    )
+@pytest.mark.parametrize("access_control", ["on", "off"])
+def test_tokens_never_appear_in_logs(start_server: StartServer, access_control: str) -> None:
+    key = {"PICOMQ_JWT_SECRET": SECRET} if access_control == "on" else {}
+    server = start_server(env={**key, "GUNICORN_CMD_ARGS": "--access-logfile -"})
     path = fresh("logged")
     url = create_stream(server, path, b"x")
     valid, invalid = mint(f"read:{path}"), mint(key="wrong-secret-" + "y" * 40)
