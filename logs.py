@@ -9,14 +9,14 @@ bodies: credentials may travel in any of those.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
 import time
-import uuid
 from datetime import UTC, datetime
 
 import orjson
-from flask import Flask, Response, g, has_request_context, request
+from flask import Response, g, has_request_context, request
 
 REQUEST_ID_HEADER = "X-Request-Id"
 # A caller's id is kept only if it cannot forge log lines or headers; else we make one.
@@ -59,15 +59,18 @@ def use_json_logs() -> None:
 
 
 def parse_request_id() -> str:
-    given = request.headers.get(REQUEST_ID_HEADER, "")
-    return given if REQUEST_ID_PATTERN.fullmatch(given) else uuid.uuid4().hex
+    given = request.headers.get(REQUEST_ID_HEADER)
+    if given is not None and REQUEST_ID_PATTERN.fullmatch(given):
+        return given
+    return os.urandom(16).hex()  # as unique as a uuid4, a tenth of the cost
 
 
 def request_fields(response: Response, started: float) -> dict[str, object]:
+    arguments = request.args
     query = {
-        name: request.args.get(name, "")[:MAX_LOGGED_VALUE_CHARS]
+        name: arguments[name][:MAX_LOGGED_VALUE_CHARS]
         for name in LOGGED_QUERY_PARAMETERS
-        if name in request.args
+        if name in arguments
     }
     return {
         "method": request.method,
@@ -79,29 +82,26 @@ def request_fields(response: Response, started: float) -> dict[str, object]:
     }
 
 
-def install_request_logging(app: Flask) -> None:
-    """Give each request an id (the caller's, if sane), echo it, and log the request."""
+def start_request() -> None:
+    """Before the view: the request's id (the caller's, if sane) and its start time."""
+    g.request_id = parse_request_id()
+    g.request_started = time.perf_counter()
 
-    @app.before_request
-    def assign_request_id() -> None:
-        g.request_id = parse_request_id()
-        g.request_started = time.perf_counter()
 
-    @app.after_request
-    def echo_and_log(response: Response) -> Response:
-        # An earlier hook (auth) may have answered before ours ran: make the id now then.
-        request_id = g.setdefault("request_id", parse_request_id())
-        started = g.setdefault("request_started", time.perf_counter())
-        response.headers[REQUEST_ID_HEADER] = request_id
-        exposed = response.headers.get("Access-Control-Expose-Headers")
-        if exposed is not None and REQUEST_ID_HEADER not in exposed:
-            response.headers["Access-Control-Expose-Headers"] = f"{exposed}, {REQUEST_ID_HEADER}"
-        fields = request_fields(response, started)
+def echo_and_log(response: Response) -> None:
+    """After the view: echo the id, and log the request once its response closes."""
+    if "request_id" not in g:  # an earlier hook (auth) answered before ours ran
+        start_request()
+    request_id, started = g.request_id, g.request_started
+    response.headers[REQUEST_ID_HEADER] = request_id
+    exposed = response.headers.get("Access-Control-Expose-Headers")
+    if exposed is not None and REQUEST_ID_HEADER not in exposed:
+        response.headers["Access-Control-Expose-Headers"] = f"{exposed}, {REQUEST_ID_HEADER}"
+    fields = request_fields(response, started)
 
-        def log_request() -> None:  # on close: the request context may be gone by then
-            fields["duration_ms"] = round((time.perf_counter() - started) * 1000, 3)
-            fields["request_id"] = request_id
-            access_log.info("request", extra={"fields": fields})
+    def log_request() -> None:  # on close: the request context may be gone by then
+        fields["duration_ms"] = round((time.perf_counter() - started) * 1000, 3)
+        fields["request_id"] = request_id
+        access_log.info("request", extra={"fields": fields})
 
-        response.call_on_close(log_request)
-        return response
+    response.call_on_close(log_request)

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from flask import Flask, Response, g, request
+from flask import Response, g, request
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -33,7 +33,6 @@ from prometheus_client import (
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from objectstore import ObjectStore
-from storage import StreamStore
 
 T = TypeVar("T")
 
@@ -142,40 +141,36 @@ def is_auth_failure(response: Response) -> bool:
     return status == 401 or (status == 403 and PRODUCER_EPOCH not in response.headers)
 
 
-def install_request_metrics(app: Flask, store: StreamStore) -> None:
-    """Count reads, live connections, appends, errors and group-commit batch sizes."""
-    metrics = get_metrics()
-    store.commit_observers.append(metrics.commit_batch_size.observe)
+def count_request_start(metrics: Metrics) -> None:
+    """Before the view: count a stream read, and hold a live one until its response closes."""
+    mode = read_mode()
+    if mode is None:
+        return
+    metrics.reads.labels(mode).inc()
+    if mode in LIVE_MODES:
+        g.live_mode = mode
+        metrics.live_connections.labels(mode).inc()
 
-    @app.before_request
-    def count_read() -> None:
-        mode = read_mode()
-        if mode is None:
-            return
-        metrics.reads.labels(mode).inc()
-        if mode in LIVE_MODES:
-            g.live_mode = mode
-            metrics.live_connections.labels(mode).inc()
 
-    @app.after_request
-    def count_response(response: Response) -> Response:
-        status = response.status_code
-        if status >= 400:
-            metrics.errors.labels(str(status)).inc()
-            if is_auth_failure(response):
-                metrics.auth_failures.inc()
-        elif request.method == "POST" and request.path.startswith(STREAM_PREFIX):
-            count_append(metrics)
-        live_mode = g.pop("live_mode", None)
-        if live_mode is not None:  # an SSE body is still to come: the connection ends on close
-            response.call_on_close(metrics.live_connections.labels(live_mode).dec)
-        return response
+def count_response(metrics: Metrics, response: Response) -> None:
+    """After the view: errors, auth failures, appends; a live read ends when its body does."""
+    status = response.status_code
+    if status >= 400:
+        metrics.errors.labels(str(status)).inc()
+        if is_auth_failure(response):
+            metrics.auth_failures.inc()
+    elif request.method == "POST" and request.path.startswith(STREAM_PREFIX):
+        count_append(metrics)
+    live_mode = g.pop("live_mode", None)
+    if live_mode is not None:  # an SSE body is still to come: the connection ends on close
+        response.call_on_close(metrics.live_connections.labels(live_mode).dec)
 
-    @app.teardown_request
-    def release_live_connection(error: BaseException | None) -> None:
-        live_mode = g.pop("live_mode", None)  # only if no response was built
-        if live_mode is not None:
-            metrics.live_connections.labels(live_mode).dec()
+
+def release_live_connection(metrics: Metrics) -> None:
+    """At teardown: a live read that never got as far as a response still ends."""
+    live_mode = g.pop("live_mode", None)
+    if live_mode is not None:
+        metrics.live_connections.labels(live_mode).dec()
 
 
 def count_append(metrics: Metrics) -> None:
@@ -217,6 +212,8 @@ class MeasuredObjectStore(ObjectStore):
     `iter_range` reads through `read`, so each chunk of a long read counts as one get.
     On local disk `put` is the whole durable create (write, fsync, link, fsync of the
     directory), so its latency is the fsync latency; on S3 it is one conditional PUT.
+    A `head` is counted on object stores only (`exists` goes through `identity` there):
+    on disk it is a stat, which every read makes and measuring would cost more than.
     """
 
     def __init__(self, url: str) -> None:
@@ -228,18 +225,20 @@ class MeasuredObjectStore(ObjectStore):
     create = measured("put")(ObjectStore.create)
     touch = measured("put")(ObjectStore.touch)
     read = measured("get")(ObjectStore.read)
-    identity = measured("head")(ObjectStore.identity)
-    modified = measured("head")(ObjectStore.modified)
     list = measured("list")(ObjectStore.list)
     delete = measured("delete")(ObjectStore.delete)
     delete_many = measured("delete")(ObjectStore.delete_many)
     delete_tree = measured("delete")(ObjectStore.delete_tree)
 
-    def exists(self, key: str) -> bool:
+    def identity(self, key: str) -> object | None:
         if self.is_local:
-            return self._exists_on_disk(key)
-        return self.identity(key) is not None  # measured there, once
+            return super().identity(key)  # a stat: cheaper than measuring it
+        return self._remote_identity(key)
 
-    @measured("head")
-    def _exists_on_disk(self, key: str) -> bool:
-        return super().exists(key)
+    def modified(self, key: str) -> float | None:
+        if self.is_local:
+            return super().modified(key)
+        return self._remote_modified(key)
+
+    _remote_identity = measured("head")(ObjectStore.identity)
+    _remote_modified = measured("head")(ObjectStore.modified)

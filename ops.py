@@ -16,8 +16,14 @@ import os
 import orjson
 from flask import Flask, Response, current_app, request, send_from_directory
 
-from logs import install_request_logging, use_json_logs
-from metrics import install_request_metrics, metrics_view
+from logs import echo_and_log, start_request, use_json_logs
+from metrics import (
+    count_request_start,
+    count_response,
+    get_metrics,
+    metrics_view,
+    release_live_connection,
+)
 from picomq import BadRequest, error_response, format_offset, parse_decimal
 from settings import Settings
 from storage import StorageUnavailable, StreamGone, StreamInfo, StreamNotFound, StreamStore
@@ -38,13 +44,33 @@ def register_operations(app: Flask, store: StreamStore, settings: Settings) -> N
     """Add the routes above, request metrics, request ids and (if set) JSON logs."""
     if settings.log_format == "json":
         use_json_logs()
-    install_request_logging(app)
-    install_request_metrics(app, store)
+    install_request_hooks(app, store)
     app.add_url_rule("/healthz", "healthz", healthz, methods=["GET", "HEAD"])
     app.add_url_rule("/readyz", "readyz", readyz, methods=["GET", "HEAD"])
     app.add_url_rule("/metrics", "metrics", metrics_view, methods=["GET"])
     app.add_url_rule("/v1/streams", "list_streams", list_streams, methods=["GET"])
     app.add_url_rule("/", "inspector", inspector, methods=["GET", "HEAD"])
+
+
+def install_request_hooks(app: Flask, store: StreamStore) -> None:
+    """One hook per request phase for both logs and metrics (each hook costs a call)."""
+    metrics = get_metrics()
+    store.commit_observers.append(metrics.commit_batch_size.observe)
+
+    @app.before_request
+    def before() -> None:
+        start_request()
+        count_request_start(metrics)
+
+    @app.after_request
+    def after(response: Response) -> Response:
+        count_response(metrics, response)
+        echo_and_log(response)
+        return response
+
+    @app.teardown_request
+    def teardown(error: BaseException | None) -> None:
+        release_live_connection(metrics)
 
 
 def healthz() -> Response:
