@@ -228,11 +228,8 @@ class ObjectStore:
                 return os.stat(self.path(key)).st_mtime
             except FileNotFoundError:
                 return None
-        try:
-            info = self._guarded(self.filesystem.info, self.path(key))
-        except FileNotFoundError:
-            return None
-        modified = info.get("LastModified") or info.get("mtime")
+        head = self._head(key)
+        modified = head and (head.get("LastModified") or head.get("mtime"))
         return modified.timestamp() if hasattr(modified, "timestamp") else modified
 
     def identity(self, key: str) -> object | None:
@@ -243,11 +240,19 @@ class ObjectStore:
             except FileNotFoundError:
                 return None
             return (status.st_ino, status.st_mtime_ns)
+        head = self._head(key)
+        return head and (head.get("ETag") or head.get("mtime"))
+
+    def _head(self, key: str) -> dict[str, object] | None:
+        """One HEAD on S3 (s3fs's info() adds a LIST when the object is missing)."""
+        filesystem = self.filesystem
         try:
-            info = self._guarded(self.filesystem.info, self.path(key), refresh=True)
+            if hasattr(filesystem, "call_s3"):
+                bucket, path, _ = filesystem.split_path(self.path(key))
+                return self._guarded(filesystem.call_s3, "head_object", Bucket=bucket, Key=path)
+            return self._guarded(filesystem.info, self.path(key), refresh=True)
         except FileNotFoundError:
             return None
-        return info.get("ETag") or info.get("mtime")
 
     def exists(self, key: str) -> bool:
         if self.is_local:

@@ -57,6 +57,7 @@ class SegmentIndex:
     message_ends: tuple[int, ...]
     payload_crc: int | None = None
     written_at: float = 0.0
+    token: str = ""
 
 
 def encode_segment(
@@ -66,8 +67,14 @@ def encode_segment(
     message_ends: list[int],
     state: StreamState,
     written_at: float | None = None,
+    token: str = "",
 ) -> bytes:
-    """`written_at` (default: now) dates the newest data in it, for age-based retention."""
+    """`written_at` (default: now) dates the newest data in it, for age-based retention.
+
+    `token` is unique to one write attempt: when an object store stores a segment but
+    the answer is lost, the retried create fails, and the token tells our own segment
+    from another writer's.
+    """
     header = orjson.dumps(
         {
             "start": start,
@@ -80,6 +87,7 @@ def encode_segment(
             "stream_seq": state.stream_seq,
             "payload_crc": zlib.crc32(payload),
             "written_at": written_at if written_at is not None else time.time(),
+            "token": token,
         }
     )
     return PREFIX.pack(MAGIC, len(header), zlib.crc32(header)) + header + payload
@@ -110,6 +118,7 @@ def decode_header(head: bytes) -> tuple[SegmentIndex, StreamState]:
         message_ends=tuple(fields["messages"]),
         payload_crc=fields.get("payload_crc"),
         written_at=fields.get("written_at", 0.0),
+        token=fields.get("token", ""),
     )
     closer = fields["closer"]
     state = StreamState(

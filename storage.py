@@ -29,6 +29,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import logging
+import random
 import time
 import uuid
 from collections import OrderedDict
@@ -59,7 +60,7 @@ log = logging.getLogger("picomq.storage")
 
 OFFSET_DIGITS = 20
 MAX_KEY_LENGTH = 200
-MAX_WRITE_ATTEMPTS = 100
+CONTENTION_LIMIT_SECONDS = 5.0
 
 
 # -- errors: each maps to one protocol outcome --------------------------------------
@@ -400,6 +401,8 @@ class StreamStore:
         if stream is not None and now - stream.checked_at < self.settings.recheck_interval:
             self._streams.move_to_end(path)
             return stream
+        if stream is not None:
+            stream.checked_at = now  # one check at a time: concurrent requests use the cache
         try:
             fresh = self._current_handle(path)
             fresh.gone = fresh.gone or self.objects.exists(f"{fresh.prefix}/gone")
@@ -657,18 +660,35 @@ class StreamStore:
             plan.state.closed = request.closed
             self._write_segment(stream, plan)
         if fork:
-            self.objects.create(
-                f"{self._source_handle(fork).prefix}/forks/{stream_key(path)}",
-                config.incarnation.encode(),
-            )
+            marker = f"{self._source_handle(fork).prefix}/forks/{stream_key(path)}"
+            try:
+                self.objects.create(marker, config.incarnation.encode())
+            except FileExistsError:
+                # Ours with a lost answer, or left by a deleted fork at this path.
+                if self.objects.read(marker).decode() != config.incarnation:
+                    self.objects.delete(marker)
+                    self.objects.create(marker, config.incarnation.encode())
         try:
             self.objects.create(_meta_key(path), config.to_json())
         except FileExistsError:
+            if self._created_by(path, config.incarnation):
+                return True, self._announced_info(path)  # only the answer was lost
             self.objects.delete_tree(stream.prefix)
             return False, self._confirm(self._open(path), config, request)
+        return True, self._announced_info(path)
+
+    def _created_by(self, path: str, incarnation: str) -> bool:
+        try:
+            return StreamConfig.from_json(self.objects.read(_meta_key(path))).incarnation == (
+                incarnation
+            )
+        except FileNotFoundError:
+            return False
+
+    def _announced_info(self, path: str) -> StreamInfo:
         info = self._open(path).info()
         self._announce(info)
-        return True, info
+        return info
 
     def _existing_for_create(self, path: str) -> _Stream | None:
         try:
@@ -793,8 +813,8 @@ class StreamStore:
 
     def _commit(self, stream: _Stream, batch: list[_Pending]) -> None:
         """Validate, write one segment, and answer: the group commit."""
-        refreshed = False
-        for _ in range(MAX_WRITE_ATTEMPTS):
+        refreshed, first_loss, losses = False, 0.0, 0
+        while True:
             plan = self._plan(stream, batch)
             if not plan.writes:
                 if not refreshed and self._refresh(stream):
@@ -805,6 +825,14 @@ class StreamStore:
                 self._write_segment(stream, plan)
             except FileExistsError:
                 # Another process wrote at our tail first: adopt its state and re-validate.
+                losses += 1
+                first_loss = first_loss or time.monotonic()
+                if time.monotonic() - first_loss > CONTENTION_LIMIT_SECONDS:
+                    raise StorageUnavailable(
+                        "another process keeps appending to this stream first; retry"
+                    ) from None
+                if losses > 2:  # spread retries out so a burst of writers interleaves
+                    gevent.sleep(random.uniform(0, min(0.002 * 2**losses, 0.25)))
                 self._refresh(stream)
                 refreshed = True
                 continue
@@ -817,8 +845,6 @@ class StreamStore:
             self._maybe_compact(stream)
             self._schedule_trim(stream)
             break
-        else:
-            raise StorageUnavailable("too many concurrent writers on this stream; retry")
         for pending, outcome in zip(batch, plan.outcomes, strict=True):
             if isinstance(outcome, StoreError):
                 pending.result.set_exception(outcome)
@@ -834,12 +860,21 @@ class StreamStore:
                 log.exception("stream listener failed for %s", info.path)
 
     def _write_segment(self, stream: _Stream, plan: _Plan) -> None:
+        """Create the segment at the tail; `FileExistsError` if another writer won."""
         start = stream.state.tail
+        token = uuid.uuid4().hex
+        payload = b"".join(plan.payload)
         data = encode_segment(
-            start, b"".join(plan.payload), plan.append_ends, plan.message_ends, plan.state
+            start, payload, plan.append_ends, plan.message_ends, plan.state, token=token
         )
-        self.objects.create(stream.segment_key(start), data)
-        self.cache.put(stream.segment_key(start), data)
+        key = stream.segment_key(start)
+        try:
+            self.objects.create(key, data)
+        except FileExistsError:
+            if self._read_piece(key, whole=True)[0].token != token:
+                raise
+            # Our own earlier attempt landed; only its answer was lost.
+        self.cache.put(key, data)
         _add_start(stream, start)
         stream.state = plan.state
 
@@ -1037,8 +1072,15 @@ class StreamStore:
 
     def head(self, path: str) -> StreamInfo:
         stream = self._open(path)
-        self._refresh(stream)
+        self._refresh_if_reachable(stream)
         return stream.info()
+
+    def _refresh_if_reachable(self, stream: _Stream) -> None:
+        """Refresh, or go on with what this process knows while storage is down."""
+        try:
+            self._refresh(stream)
+        except StorageUnavailable as error:
+            log.warning("serving %s from memory: %s", stream.config.path, error)
 
     def touch(self, path: str) -> StreamInfo:
         """Renew a sliding TTL (reads that return no data still count as use)."""
@@ -1075,8 +1117,10 @@ class StreamStore:
     def wait(self, path: str, offset: int, timeout: float) -> StreamInfo:
         """Return once the stream has data past `offset`, is closed, or `timeout` passed."""
         stream = self._open(path, touch=True)
-        if stream.state.tail <= offset:
-            self._refresh(stream)
+        if offset > stream.state.tail:
+            self._refresh(stream)  # must know the true tail to call the offset invalid
+        elif offset == stream.state.tail:
+            self._refresh_if_reachable(stream)
         if offset > stream.state.tail:
             raise InvalidRequest("offset is beyond the end of the stream")
         if offset < stream.earliest:

@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -275,12 +276,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     shared.stop()
 
 
-@pytest.fixture(scope="session")
-def moto_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A moto_server for the session; yields its endpoint URL. It holds no buckets at first."""
-    base_dir = tmp_path_factory.mktemp("moto")
+def make_moto(base_dir: Path) -> ManagedProcess:
+    """A moto_server (not yet started) on a free port, its log under base_dir."""
     port = find_free_port()
-    managed = ManagedProcess(
+    return ManagedProcess(
         name="moto_server",
         command=[str(find_executable("moto_server")), "-H", "127.0.0.1", "-p", str(port)],
         cwd=base_dir,
@@ -288,9 +287,72 @@ def moto_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         log_path=base_dir / "moto.log",
         port=port,
     )
+
+
+@pytest.fixture(scope="session")
+def moto_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A moto_server for the session; yields its endpoint URL. It holds no buckets at first."""
+    managed = make_moto(tmp_path_factory.mktemp("moto"))
     managed.start()
-    yield f"http://127.0.0.1:{port}"
+    yield f"http://127.0.0.1:{managed.port}"
     managed.stop()
+
+
+@pytest.fixture
+def start_moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[], ManagedProcess]]:
+    """Factory for a moto_server of the test's own (one it may stop); all stopped at the end."""
+    started: list[ManagedProcess] = []
+
+    def start() -> ManagedProcess:
+        managed = make_moto(tmp_path_factory.mktemp("moto"))
+        started.append(managed)
+        managed.start()
+        return managed
+
+    yield start
+    for managed in started:
+        managed.stop()
+
+
+def s3_environment(endpoint: str) -> dict[str, str]:
+    """The standard AWS variables that point s3fs (in PicoMQ or in a test) at `endpoint`."""
+    return {
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_REGION": "us-east-1",
+    }
+
+
+def create_bucket(endpoint: str, prefix: str = "picomq") -> str:
+    """A new, empty bucket on the S3 at `endpoint`; returns its name."""
+    bucket = f"{prefix}-{uuid.uuid4().hex[:12]}"
+    port = urlsplit(endpoint).port
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        connection.request("PUT", f"/{bucket}")
+        response = connection.getresponse()
+        body = response.read()
+    finally:
+        connection.close()
+    assert response.status == 200, f"creating bucket {bucket}: {response.status} {body!r}"
+    return bucket
+
+
+@dataclass(frozen=True)
+class S3Storage:
+    """A fresh bucket on the session's moto: `url` for PICOMQ_STORAGE_URL, `env` for AWS."""
+
+    endpoint: str
+    bucket: str
+    url: str
+    env: dict[str, str]
+
+
+@pytest.fixture
+def s3_storage(moto_s3: str) -> S3Storage:
+    bucket = create_bucket(moto_s3)
+    return S3Storage(moto_s3, bucket, f"s3://{bucket}/picomq", s3_environment(moto_s3))
 
 
 @pytest.fixture

@@ -1,4 +1,5 @@
-"""The Durable Streams server conformance suite (npm, run by vitest) against a real PicoMQ.
+"""The Durable Streams server conformance suite (npm, run by vitest) against a real PicoMQ,
+on local disk and on S3 (a fresh bucket on moto_server).
 
 Needs node and npm; installs the pinned suite with `npm ci` when node_modules is missing or
 older than package-lock.json. Deselect with `-m "not conformance"`.
@@ -106,10 +107,19 @@ def describe_failure(test: dict) -> str:
 
 
 @pytest.mark.conformance
-def test_conformance_suite(start_server: StartServer, tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["local", "s3"])
+def test_conformance_suite(
+    backend: str, start_server: StartServer, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     require_node_and_npm()
     install_suite()
-    server = start_server(long_poll_timeout=LONG_POLL_TIMEOUT)
+    if backend == "s3":  # a fresh bucket on the session's moto_server
+        storage = request.getfixturevalue("s3_storage")
+        server = start_server(
+            long_poll_timeout=LONG_POLL_TIMEOUT, storage_url=storage.url, env=storage.env
+        )
+    else:
+        server = start_server(long_poll_timeout=LONG_POLL_TIMEOUT)
     report_path = tmp_path / "vitest-report.json"
 
     returncode, output = run_vitest(server.url, report_path)

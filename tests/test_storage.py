@@ -1,0 +1,396 @@
+"""The stream store called directly (no Flask), one suite run on local disk and on S3 (moto).
+
+Every test gets a fresh root: a temporary directory, or a fresh bucket on the session's
+moto_server. `make_store` builds a `StreamStore` the way a node does, with its own
+filesystem object and an empty cache, so a second store on the same root behaves like a
+second node: it knows only what storage tells it. On S3 the object store runs its calls in
+gevent's thread pool; called from pytest's main thread the hub simply runs while the
+calling greenlet waits, so no monkey-patching is needed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import fsspec
+import gevent
+import orjson
+import pytest
+from conftest import create_bucket, s3_environment
+
+from objectstore import ObjectStore
+from storage import (
+    AppendRequest,
+    AppendResult,
+    CreateRequest,
+    InvalidRequest,
+    Payload,
+    Producer,
+    ProducerFenced,
+    ProducerGap,
+    StoreSettings,
+    StreamClosed,
+    StreamConflict,
+    StreamGone,
+    StreamNotFound,
+    StreamStore,
+)
+
+TEXT = "text/plain"
+JSON = "application/json"
+# Live reads of another store's appends look for new segments this often.
+POLL_INTERVAL = 0.05
+WAIT_TIMEOUT_SECONDS = 10.0
+JOIN_TIMEOUT_SECONDS = 60.0
+ALTERNATING_ROUNDS = 12
+WRITERS_PER_STORE = 6
+APPENDS_PER_WRITER = 8
+
+MakeStore = Callable[[], StreamStore]
+
+
+@pytest.fixture(params=["local", "s3"])
+def storage_url(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> str:
+    if request.param == "local":
+        return str(tmp_path / "store")
+    endpoint = request.getfixturevalue("moto_s3")
+    for name, value in s3_environment(endpoint).items():
+        monkeypatch.setenv(name, value)
+    return f"s3://{create_bucket(endpoint, 'storage')}/picomq"
+
+
+@pytest.fixture
+def make_store(storage_url: str) -> MakeStore:
+    """A new store on the test's root, like a node starting with an empty cache."""
+
+    def make() -> StreamStore:
+        # fsspec reuses filesystem objects (and their listing caches) between equal URLs;
+        # a node of its own gets a filesystem of its own.
+        fsspec.AbstractFileSystem.clear_instance_cache()
+        for implementation in fsspec.registry.values():
+            implementation.clear_instance_cache()
+        settings = StoreSettings(poll_interval=POLL_INTERVAL)
+        return StreamStore(ObjectStore(storage_url), settings)
+
+    return make
+
+
+# -- helpers -----------------------------------------------------------------------------
+
+
+def read_all(store: StreamStore, path: str, offset: int | None = None) -> bytes:
+    """Everything from `offset` to the tail, over as many reads as the store needs."""
+    result = store.read(path, offset)
+    data = b"".join(result.chunks)
+    while result.end < result.info.tail:
+        result = store.read(path, result.end)
+        data += b"".join(result.chunks)
+    return data
+
+
+def append_text(store: StreamStore, path: str, data: bytes, **options: object) -> AppendResult:
+    return store.append(path, AppendRequest(TEXT, Payload(data), **options))
+
+
+def messages(*values: object) -> Payload:
+    return Payload.from_messages([orjson.dumps(value) for value in values])
+
+
+def append_json(store: StreamStore, path: str, *values: object, **options: object) -> AppendResult:
+    return store.append(path, AppendRequest(JSON, messages(*values), **options))
+
+
+def produce(store: StreamStore, path: str, data: bytes, epoch: int, seq: int) -> AppendResult:
+    return append_text(store, path, data, producer=Producer("producer-1", epoch, seq))
+
+
+# -- one store ---------------------------------------------------------------------------
+
+
+def test_bytes_round_trip(make_store: MakeStore) -> None:
+    store = make_store()
+    created, info = store.create("a/b", CreateRequest(TEXT, payload=Payload(b"hello ")))
+    assert (created, info.tail, info.closed, info.content_type) == (True, 6, False, TEXT)
+
+    assert append_text(store, "a/b", b"world").info.tail == 11
+    assert append_text(store, "a/b", b"!").info.tail == 12
+    assert read_all(store, "a/b") == b"hello world!"
+    assert read_all(store, "a/b", 6) == b"world!"
+    assert read_all(store, "a/b", 12) == b""
+    assert store.head("a/b").tail == 12
+    with pytest.raises(InvalidRequest):
+        store.read("a/b", 13)
+
+    assert store.create("a/b", CreateRequest(TEXT)) == (False, store.head("a/b"))
+    with pytest.raises(StreamConflict):
+        store.create("a/b", CreateRequest(JSON))
+    with pytest.raises(StreamConflict):
+        store.append("a/b", AppendRequest(JSON, messages(1)))
+    with pytest.raises(StreamNotFound):
+        store.read("a/c", None)
+    with pytest.raises(StreamNotFound):
+        append_text(store, "a/c", b"x")
+
+
+def test_reads_are_cut_into_bounded_pieces(make_store: MakeStore) -> None:
+    store = make_store()
+    store.create("big", CreateRequest(TEXT))
+    pieces = [bytes([65 + n]) * 1000 for n in range(10)]
+    for piece in pieces:
+        append_text(store, "big", piece)
+    result = store.read("big", 500, max_bytes=2500)
+    assert (result.start, result.end) == (500, 3000)
+    assert b"".join(result.chunks) == b"".join(pieces)[500:3000]
+
+
+def test_json_messages_keep_their_boundaries(make_store: MakeStore) -> None:
+    store = make_store()
+    store.create("events", CreateRequest(JSON))
+    assert read_all(store, "events") == b"[]"
+    append_json(store, "events", 1, "two", {"three": [3]})
+    append_json(store, "events", None)
+    everything = b'[1,"two",{"three":[3]},null]'
+    assert read_all(store, "events") == everything
+    assert orjson.loads(everything) == [1, "two", {"three": [3]}, None]
+
+    # Offsets are byte positions; each message is stored with its separator.
+    assert read_all(store, "events", 2) == b'["two",{"three":[3]},null]'
+    assert read_all(store, "events", 8) == b'[{"three":[3]},null]'
+    with pytest.raises(InvalidRequest):
+        store.read("events", 3)  # inside "two"
+
+    # A bounded read ends on a message boundary, but never returns nothing.
+    result = store.read("events", 0, max_bytes=10)
+    assert (b"".join(result.chunks), result.end) == (b'[1,"two"]', 8)
+    result = store.read("events", 8, max_bytes=2)
+    assert (b"".join(result.chunks), result.end) == (b'[{"three":[3]}]', 22)
+
+
+def test_forks_read_their_source_up_to_the_fork_point(make_store: MakeStore) -> None:
+    store = make_store()
+    store.create("source", CreateRequest(TEXT, payload=Payload(b"abc")))
+    append_text(store, "source", b"def")
+    created, info = store.create("fork", CreateRequest("", fork_source="source", fork_offset=3))
+    assert (created, info.tail, info.content_type) == (True, 3, TEXT)
+    append_text(store, "fork", b"XYZ")
+    append_text(store, "source", b"ghi")
+    assert read_all(store, "fork") == b"abcXYZ"
+    assert read_all(store, "fork", 2) == b"cXYZ"
+    assert read_all(store, "source") == b"abcdefghi"
+
+    # A sub-offset forks part-way into the append that starts at the fork offset.
+    store.create(
+        "partial", CreateRequest("", fork_source="source", fork_offset=3, fork_sub_offset=2)
+    )
+    assert read_all(store, "partial") == b"abcde"
+    # A fork of a fork reads through both.
+    store.create("grandchild", CreateRequest("", fork_source="fork", fork_offset=5))
+    append_text(store, "grandchild", b"!")
+    assert read_all(store, "grandchild") == b"abcXY!"
+
+
+def test_close_is_final_and_idempotent(make_store: MakeStore) -> None:
+    store = make_store()
+    store.create("log", CreateRequest(TEXT))
+    append_text(store, "log", b"last words")
+    result = store.append("log", AppendRequest(TEXT, Payload(b"."), close=True))
+    assert (result.info.tail, result.info.closed) == (11, True)
+
+    with pytest.raises(StreamClosed) as closed:
+        append_text(store, "log", b"more")
+    assert closed.value.tail == 11
+    again = store.append("log", AppendRequest(None, None, close=True))
+    assert again.duplicate and again.info.closed
+    assert store.wait("log", 11, WAIT_TIMEOUT_SECONDS).closed  # answers at once
+    assert read_all(store, "log") == b"last words."
+    # A stream can also be created closed.
+    store.create("sealed", CreateRequest(TEXT, closed=True, payload=Payload(b"x")))
+    assert store.head("sealed").closed
+
+
+def test_producer_appends_are_deduplicated(make_store: MakeStore) -> None:
+    store = make_store()
+    store.create("produced", CreateRequest(TEXT))
+    assert not produce(store, "produced", b"a", 0, 0).duplicate
+    assert not produce(store, "produced", b"b", 0, 1).duplicate
+    retry = produce(store, "produced", b"b", 0, 1)
+    assert retry.duplicate and retry.producer == Producer("producer-1", 0, 1)
+    with pytest.raises(ProducerGap) as gap:
+        produce(store, "produced", b"d", 0, 3)
+    assert (gap.value.expected, gap.value.received) == (2, 3)
+    assert not produce(store, "produced", b"c", 1, 0).duplicate  # a new epoch restarts at 0
+    with pytest.raises(ProducerFenced) as fenced:
+        produce(store, "produced", b"x", 0, 2)
+    assert fenced.value.current_epoch == 1
+    with pytest.raises(InvalidRequest):
+        produce(store, "produced", b"x", 2, 1)
+    assert read_all(store, "produced") == b"abc"
+
+
+def test_stream_seq_must_increase(make_store: MakeStore) -> None:
+    store = make_store()
+    store.create("seq", CreateRequest(TEXT))
+    append_text(store, "seq", b"1", stream_seq="09")
+    append_text(store, "seq", b"2", stream_seq="10")
+    with pytest.raises(StreamConflict):
+        append_text(store, "seq", b"3", stream_seq="10")
+    assert read_all(store, "seq") == b"12"
+
+
+def test_delete_then_recreate_starts_empty(make_store: MakeStore) -> None:
+    store = make_store()
+    store.create("doomed", CreateRequest(TEXT, payload=Payload(b"old")))
+    old = store.head("doomed").incarnation
+    store.delete("doomed")
+    with pytest.raises(StreamNotFound):
+        store.read("doomed", None)
+    with pytest.raises(StreamNotFound):
+        append_text(store, "doomed", b"x")
+    with pytest.raises(StreamNotFound):
+        store.delete("doomed")
+    created, info = store.create("doomed", CreateRequest(TEXT))
+    assert created and info.tail == 0 and info.incarnation != old
+    append_text(store, "doomed", b"new")
+    assert read_all(store, "doomed") == b"new"
+
+
+def test_deleting_a_forked_source_keeps_it_for_its_forks(make_store: MakeStore) -> None:
+    store = make_store()
+    store.create("origin", CreateRequest(TEXT, payload=Payload(b"shared")))
+    store.create("copy", CreateRequest("", fork_source="origin"))
+    store.delete("origin")
+    with pytest.raises(StreamGone):
+        store.read("origin", None)
+    with pytest.raises(StreamConflict):
+        store.create("origin", CreateRequest(TEXT))
+    assert read_all(store, "copy") == b"shared"
+    store.delete("copy")  # the last fork: the source goes with it
+    with pytest.raises(StreamNotFound):
+        store.read("origin", None)
+    assert store.create("origin", CreateRequest(TEXT))[0]
+
+
+# -- a second store on the same root (a second node) ---------------------------------------
+
+
+def test_a_second_store_sees_everything_the_first_wrote(make_store: MakeStore) -> None:
+    first = make_store()
+    expires = (datetime.now(UTC) + timedelta(hours=1)).replace(microsecond=0)
+    first.create("ttl", CreateRequest(TEXT, ttl=3600, payload=Payload(b"t")))
+    first.create("expiring", CreateRequest(JSON, expires_at=expires))
+    append_json(first, "expiring", {"n": 1}, {"n": 2})
+    first.create("closed", CreateRequest(TEXT, payload=Payload(b"end")))
+    first.append("closed", AppendRequest(None, None, close=True))
+    first.create("produced", CreateRequest(TEXT))
+    produce(first, "produced", b"a", 0, 0)
+    produce(first, "produced", b"b", 0, 1)
+    first.create("fork", CreateRequest("", fork_source="ttl"))
+    append_text(first, "fork", b"+f")
+
+    second = make_store()
+    assert second.head("ttl") == first.head("ttl")
+    assert second.head("ttl").ttl == 3600
+    assert second.head("expiring").expires_at == first.head("expiring").expires_at
+    assert datetime.fromisoformat(second.head("expiring").expires_at) == expires
+    assert read_all(second, "expiring") == b'[{"n":1},{"n":2}]'
+    assert read_all(second, "expiring", 8) == b'[{"n":2}]'
+    closed = second.head("closed")
+    assert (closed.closed, closed.tail) == (True, 3)
+    with pytest.raises(StreamClosed):
+        append_text(second, "closed", b"x")
+    assert read_all(second, "fork") == b"t+f"
+    assert second.head("fork").tail == 3
+
+    # Producer state came from storage: a retry is a duplicate, a skip is a gap.
+    assert produce(second, "produced", b"b", 0, 1).duplicate
+    with pytest.raises(ProducerGap):
+        produce(second, "produced", b"d", 0, 3)
+    assert not produce(second, "produced", b"c", 0, 2).duplicate
+    # The first store's cached state is stale now; storage corrects it.
+    assert produce(first, "produced", b"c", 0, 2).duplicate
+    assert not produce(first, "produced", b"d", 0, 3).duplicate
+    assert produce(second, "produced", b"d", 0, 3).duplicate
+    assert not produce(second, "produced", b"e", 1, 0).duplicate
+    with pytest.raises(ProducerFenced):
+        produce(first, "produced", b"x", 0, 4)
+    assert read_all(first, "produced") == read_all(second, "produced") == b"abcde"
+
+    # Deletes and re-creates made through one store are what the other sees.
+    second.delete("closed")
+    with pytest.raises(StreamNotFound):
+        first.read("closed", None)
+    first.create("closed", CreateRequest(JSON))
+    assert second.head("closed").content_type == JSON
+
+
+def test_stores_alternating_on_one_stream_never_overwrite(make_store: MakeStore) -> None:
+    first, second = make_store(), make_store()
+    first.create("shared", CreateRequest(TEXT))
+    second.head("shared")  # both now cache the stream at tail 0
+    expected, tails = b"", []
+    for round_number in range(ALTERNATING_ROUNDS):
+        for name, store in (("first", first), ("second", second)):
+            # Each store's cached tail is stale here: the create-only write must lose,
+            # re-read, and land after what the other store wrote.
+            data = f"<{name}-{round_number}>".encode()
+            tails.append(append_text(store, "shared", data).info.tail)
+            expected += data
+    assert tails == sorted(tails) and len(set(tails)) == len(tails)
+    assert tails[-1] == len(expected)
+    third = make_store()
+    assert read_all(first, "shared") == read_all(second, "shared") == expected
+    assert read_all(third, "shared") == expected
+
+
+def test_concurrent_appends_from_two_stores_land_exactly_once(make_store: MakeStore) -> None:
+    stores = [make_store(), make_store()]
+    stores[0].create("busy", CreateRequest(JSON))
+    acknowledged: dict[bytes, int] = {}
+
+    def writer(store_number: int, writer_number: int) -> None:
+        for n in range(APPENDS_PER_WRITER):
+            value = {"s": store_number, "w": writer_number, "n": n}
+            result = append_json(stores[store_number], "busy", value)
+            acknowledged[orjson.dumps(value)] = result.info.tail
+
+    greenlets = [
+        gevent.spawn(writer, store_number, writer_number)
+        for store_number in range(len(stores))
+        for writer_number in range(WRITERS_PER_STORE)
+    ]
+    gevent.joinall(greenlets, timeout=JOIN_TIMEOUT_SECONDS, raise_error=True)
+    assert all(greenlet.ready() for greenlet in greenlets), "writers did not finish"
+
+    stored = orjson.loads(read_all(make_store(), "busy"))
+    assert len(stored) == len(acknowledged) == 2 * WRITERS_PER_STORE * APPENDS_PER_WRITER
+    # Every acknowledged message is stored exactly once, ending where its ack said.
+    position = 0
+    for value in stored:
+        position += len(orjson.dumps(value)) + 1
+        assert acknowledged.pop(orjson.dumps(value)) == position
+    assert not acknowledged
+    # Each writer waited for its ack before the next append: its order is kept.
+    for store_number in range(len(stores)):
+        for writer_number in range(WRITERS_PER_STORE):
+            sequence = [
+                value["n"]
+                for value in stored
+                if (value["s"], value["w"]) == (store_number, writer_number)
+            ]
+            assert sequence == list(range(APPENDS_PER_WRITER))
+
+
+def test_a_waiting_reader_sees_another_stores_append(make_store: MakeStore) -> None:
+    writer_store, reader_store = make_store(), make_store()
+    writer_store.create("live", CreateRequest(TEXT, payload=Payload(b"0")))
+    waiting = gevent.spawn(reader_store.wait, "live", 1, WAIT_TIMEOUT_SECONDS)
+    gevent.sleep(2 * POLL_INTERVAL)  # the reader is waiting before the append
+    assert not waiting.ready()
+    append_text(writer_store, "live", b"1")
+    info = waiting.get(timeout=WAIT_TIMEOUT_SECONDS + 5)
+    assert info.tail == 2, "the reader's wait ended without the other store's append"
+    assert read_all(reader_store, "live", 1) == b"1"
