@@ -32,6 +32,7 @@ READ_CHUNK_BYTES = 256 * 1024
 
 # Fail over to a 503 within seconds when the endpoint is down, instead of botocore's
 # default minute of retries; explicit s3fs options (FSSPEC_S3_*) still take precedence.
+THREADPOOL_SIZE = 64  # concurrent blocking storage calls per worker
 S3_RETRIES = 2
 S3_DEFAULTS: dict[str, object] = {
     "config_kwargs": {
@@ -60,7 +61,9 @@ def _run_in_threadpool(function: Callable[..., T], *args: object, **kwargs: obje
         except BaseException as error:  # re-raised in the calling greenlet below
             return False, error
 
-    succeeded, outcome = gevent.get_hub().threadpool.apply(capture)
+    pool = gevent.get_hub().threadpool
+    pool.maxsize = max(pool.maxsize, THREADPOOL_SIZE)
+    succeeded, outcome = pool.apply(capture)
     if succeeded:
         return outcome  # type: ignore[return-value]
     raise outcome  # type: ignore[misc]
@@ -144,7 +147,8 @@ class ObjectStore:
         disk, acknowledged by the object store otherwise.
         """
         if self.is_local:
-            self._guarded(self._create_local, self.path(key), data)
+            # fsync blocks for a while: off the event loop, writes to many streams overlap.
+            self._guarded(_run_in_threadpool, self._create_local, self.path(key), data)
         else:
             self._guarded(self.filesystem.pipe_file, self.path(key), data, mode="create")
 
