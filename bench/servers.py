@@ -1,0 +1,260 @@
+"""The servers a benchmark runs: PicoMQ, the reference server and moto, on 127.0.0.1 only.
+
+Each starts in its own session (so a stop reaches its whole process group), pinned to
+the server core with `taskset`, with its output in a log file, and is polled for
+readiness with a deadline. A server that exits or never answers raises `ServerFailed`
+with its output. Stopping is SIGTERM, a deadline, then SIGKILL to the group — only
+ever the processes started here, by PID.
+
+Also here: resident memory and CPU time of a server's process tree, read from /proc.
+"""
+
+from __future__ import annotations
+
+import http.client
+import os
+import re
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_DIR = BENCH_DIR.parent
+BIN_DIR = Path(sys.executable).parent
+HOST = "127.0.0.1"
+READY_DEADLINE_SECONDS = 30.0
+# Past this deadline after the stop signal, the process group is killed.
+STOP_DEADLINE_SECONDS = 15.0
+LONG_POLL_TIMEOUT_SECONDS = 20  # PicoMQ's default; the reference is given the same
+OUTPUT_TAIL_CHARS = 4000
+# 10,000 SSE subscribers need 10,000 descriptors in the client and in the server, plus
+# a few; children inherit the limit raised here.
+WANTED_OPEN_FILES = 65536
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+class ServerFailed(RuntimeError):
+    """A server exited early or never answered HTTP; the message carries its output."""
+
+
+def raise_open_file_limit() -> int:
+    """Raise RLIMIT_NOFILE as far as allowed (children inherit it); returns the soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        wanted = max(hard, WANTED_OPEN_FILES)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, wanted))
+    except (ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind((HOST, 0))
+        return probe.getsockname()[1]
+
+
+def answers_http(port: int) -> bool:
+    """True if anything on HOST:port answers an HTTP request, whatever the status."""
+    connection = http.client.HTTPConnection(HOST, port, timeout=2)
+    try:
+        connection.request("HEAD", "/v1/stream/__readiness-probe")
+        connection.getresponse().read()
+        return True
+    except OSError:
+        return False
+    finally:
+        connection.close()
+
+
+@dataclass
+class Server:
+    """One server process: `start()` waits until it answers, `stop()` ends its group."""
+
+    name: str
+    command: list[str]
+    env: dict[str, str]
+    cwd: Path
+    log_path: Path
+    port: int
+    stop_signal: signal.Signals = signal.SIGTERM
+    process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None, f"{self.name} is not running"
+        return self.process.pid
+
+    def start(self) -> Server:
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                self.command,
+                cwd=self.cwd,
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + READY_DEADLINE_SECONDS
+        while not answers_http(self.port):
+            if self.process.poll() is not None:
+                self.process = None
+                raise ServerFailed(f"{self.name} exited before answering\n{self.output_tail()}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise ServerFailed(f"{self.name} did not answer in time\n{self.output_tail()}")
+            time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        """`stop_signal`, wait, then SIGKILL the process group this server leads."""
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self.process.send_signal(self.stop_signal)
+            try:
+                self.process.wait(timeout=STOP_DEADLINE_SECONDS)
+            except subprocess.TimeoutExpired:
+                # The leader is unreaped, so its PID (= the group ID) is still ours.
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self.process = None
+
+    def output_tail(self) -> str:
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return f"--- {self.name} output ({self.log_path}) ---\n{text[-OUTPUT_TAIL_CHARS:]}"
+
+    def processes(self) -> list[int]:
+        """The server's PID and all its descendants' (a gunicorn master and its worker)."""
+        found, pending = [], [self.pid]
+        while pending:
+            pid = pending.pop()
+            found.append(pid)
+            try:
+                children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+            except OSError:
+                continue
+            pending.extend(int(child) for child in children)
+        return found
+
+    def resident_mib(self) -> float:
+        """Resident memory of the whole process tree, in MiB."""
+        return sum(read_resident_kib(pid) for pid in self.processes()) / 1024
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU time used so far by the whole process tree."""
+        return sum(read_cpu_seconds(pid) for pid in self.processes())
+
+
+def read_resident_kib(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def read_cpu_seconds(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
+
+
+def pinned(core: int | None, command: list[str]) -> list[str]:
+    return command if core is None else ["taskset", "-c", str(core), *command]
+
+
+def picomq(work_dir: Path, core: int | None, extra_env: dict[str, str] | None = None) -> Server:
+    """PicoMQ as deployed: gunicorn.conf.py, one gevent worker, data in work_dir/data."""
+    port = free_port()
+    data_dir = work_dir / "data"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    env = {key: value for key, value in os.environ.items() if not key.startswith("PICOMQ_")}
+    env.update(PICOMQ_WORKERS="1", PICOMQ_STORAGE_URL=str(data_dir), PYTHONUNBUFFERED="1")
+    env.update(extra_env or {})
+    command = [
+        str(BIN_DIR / "gunicorn"),
+        "-c",
+        "gunicorn.conf.py",
+        "--bind",
+        f"{HOST}:{port}",
+        "wsgi:app",
+    ]
+    # SIGQUIT is gunicorn's quick shutdown: a graceful one would wait for live reads the
+    # bench has already abandoned (up to the long-poll timeout). Its data is thrown away.
+    return Server(
+        "picomq",
+        pinned(core, command),
+        env,
+        REPO_DIR,
+        work_dir / "server.log",
+        port,
+        stop_signal=signal.SIGQUIT,
+    )
+
+
+def reference(work_dir: Path, core: int | None) -> Server:
+    """The reference server (bench/reference_server.mjs) with its file store in work_dir/data."""
+    if not (BENCH_DIR / "node_modules" / "@durable-streams" / "server").exists():
+        raise ServerFailed("reference server not installed: run `npm ci` in bench/")
+    port = free_port()
+    data_dir = work_dir / "data"
+    command = [
+        "node",
+        "reference_server.mjs",
+        str(port),
+        str(data_dir),
+        str(LONG_POLL_TIMEOUT_SECONDS * 1000),
+    ]
+    env = dict(os.environ)
+    return Server("reference", pinned(core, command), env, BENCH_DIR, work_dir / "server.log", port)
+
+
+def moto(work_dir: Path) -> Server:
+    """moto_server for S3; it logs one line per request, which `count_s3_requests` reads."""
+    port = free_port()
+    command = [str(BIN_DIR / "moto_server"), "-H", HOST, "-p", str(port)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # Free to run on any core (the harness's own affinity would tie it to the client's):
+    # the S3 rows count requests, and moto is the slowest part of that load.
+    every_core = f"0-{os.cpu_count() - 1}"
+    return Server("moto", ["taskset", "-c", every_core, *command], env, work_dir,
+                  work_dir / "moto.log", port)  # fmt: skip
+
+
+# werkzeug's access log line; answers other than 2xx have the request in ANSI colours.
+S3_REQUEST_LINE = re.compile(
+    rb'"(?:\x1b\[[\d;]*m)?(GET|PUT|HEAD|POST|DELETE) (\S+) HTTP/1\.[01](?:\x1b\[[\d;]*m)?" (\d{3})'
+)
+
+
+def count_s3_requests(log_path: Path, start: int) -> tuple[Counter[str], int]:
+    """Requests moto logged after byte `start` of its log, by kind; and the log's new end.
+
+    Kinds: PUT, GET (an object), LIST (a GET on the bucket), HEAD, DELETE, POST.
+    """
+    with log_path.open("rb") as log:
+        log.seek(start)
+        text = log.read()
+    text = text[: text.rfind(b"\n") + 1]  # a line still being written waits for next time
+    counts: Counter[str] = Counter()
+    for match in S3_REQUEST_LINE.finditer(text):
+        method, path = match[1].decode(), match[2].split(b"?", 1)[0]
+        is_bucket = path.strip(b"/").count(b"/") == 0
+        counts["LIST" if method == "GET" and is_bucket else method] += 1
+    return counts, start + len(text)
