@@ -16,6 +16,7 @@ import os
 import orjson
 from flask import Flask, Response, current_app, request, send_from_directory
 
+from auth import allow_anonymous
 from logs import echo_and_log, start_request, use_json_logs
 from metrics import (
     count_request_start,
@@ -45,6 +46,7 @@ def register_operations(app: Flask, store: StreamStore, settings: Settings) -> N
     if settings.log_format == "json":
         use_json_logs()
     install_request_hooks(app, store)
+    allow_anonymous(app, "static")  # the inspector's script and style hold no data
     app.add_url_rule("/healthz", "healthz", healthz, methods=["GET", "HEAD"])
     app.add_url_rule("/readyz", "readyz", readyz, methods=["GET", "HEAD"])
     app.add_url_rule("/metrics", "metrics", metrics_view, methods=["GET"])

@@ -2,7 +2,9 @@
 playwright-core): load the page, open a stream, see an append appear live, restart the
 server, and see the next appends appear once each, resumed from the shown offset.
 
-Needs node, npm and /usr/bin/chromium (test.sh installs them as root on Debian).
+With access control on, the page and its script load without a token, and the page
+takes one in its Token field and never shows it. Needs node, npm and /usr/bin/chromium
+(test.sh installs them as root on Debian).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from typing import TYPE_CHECKING
 import pytest
 import requests
 
+from auth import mint_token
+
 if TYPE_CHECKING:
     from conftest import StartServer
 
@@ -25,6 +29,7 @@ NODE_DIR = Path(__file__).resolve().parent / "node"
 CHROMIUM = Path("/usr/bin/chromium")
 NPM_TIMEOUT_SECONDS = 600
 DRIVER_TIMEOUT_SECONDS = 180
+JWT_SECRET = "inspector-test-secret-of-at-least-32-bytes"
 
 
 def install_node_packages() -> None:
@@ -48,8 +53,10 @@ def install_node_packages() -> None:
         pytest.fail(f"npm ci failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
 
 
-def test_page_is_served_with_its_scripts(start_server: StartServer) -> None:
-    server = start_server()
+def test_page_is_served_with_its_scripts_even_with_access_control_on(
+    start_server: StartServer,
+) -> None:
+    server = start_server(env={"PICOMQ_JWT_SECRET": JWT_SECRET})
     page = requests.get(f"{server.url}/", timeout=10)
     assert page.status_code == 200
     assert page.headers["Content-Type"].startswith("text/html")
@@ -59,21 +66,40 @@ def test_page_is_served_with_its_scripts(start_server: StartServer) -> None:
         assert requests.get(f"{server.url}{asset}", timeout=10).status_code == 200
 
 
+@pytest.mark.parametrize("access_control", ["off", "on"])
 def test_inspector_follows_live_and_resumes_after_a_restart(
-    start_server: StartServer, unique_stream: str, tmp_path: Path
+    start_server: StartServer, unique_stream: str, tmp_path: Path, access_control: str
 ) -> None:
     if not CHROMIUM.exists():
         pytest.fail(f"{CHROMIUM} not found: run ./test.sh (installs Debian's chromium as root)")
     install_node_packages()
-    server = start_server()
+    token_argument: list[str] = []
+    headers = {"Content-Type": "application/json"}
+    if access_control == "on":
+        server = start_server(env={"PICOMQ_JWT_SECRET": JWT_SECRET})
+        token = mint_token(JWT_SECRET, "HS256", "read:** append:** admin:v1/streams", 600)
+        token_argument = [token]
+        headers["Authorization"] = f"Bearer {token}"
+        assert requests.get(f"{server.url}/v1/streams", timeout=10).status_code == 401
+    else:
+        server = start_server()
     url = server.stream_url(unique_stream)
-    assert requests.put(url, headers={"Content-Type": "application/json"}).status_code == 201
-    response = requests.post(url, json=[{"n": 1}, {"n": 2}])
+    create_token = mint_token(JWT_SECRET, "HS256", "create:**", 60)
+    create_headers = {**headers, "Authorization": f"Bearer {create_token}"}
+    assert requests.put(url, headers=create_headers).status_code == 201
+    response = requests.post(url, json=[{"n": 1}, {"n": 2}], headers=headers)
     assert response.status_code == 204
 
     screenshot = tmp_path / "inspector.png"
     driver = subprocess.Popen(
-        ["node", str(NODE_DIR / "inspector.mjs"), server.url, unique_stream, str(screenshot)],
+        [
+            "node",
+            str(NODE_DIR / "inspector.mjs"),
+            server.url,
+            unique_stream,
+            str(screenshot),
+            *token_argument,
+        ],
         cwd=NODE_DIR,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,

@@ -1,12 +1,14 @@
 // Drives the web inspector in Debian's headless Chromium for tests/test_inspector.py.
 //
-//   node inspector.mjs BASE_URL STREAM_PATH SCREENSHOT_PATH
+//   node inspector.mjs BASE_URL STREAM_PATH SCREENSHOT_PATH [TOKEN]
 //
 // Opens the page, lists and opens the stream (which holds {"n":1} and {"n":2}),
 // appends {"n":3} and sees it, then prints "RESTART" and waits for the test to restart
 // the server and answer "RESTARTED" on stdin; then appends {"n":4} and {"n":5} and
 // checks the page shows exactly 1..5, once each, and says it resumed. Exits non-zero
-// with the reason on stderr on any failure. Every wait has a deadline.
+// with the reason on stderr on any failure. Every wait has a deadline. With a TOKEN
+// (access control on), the page must first say access is denied, take the token in its
+// Token field, and never show the token in its URL or its markup.
 
 import { mkdtempSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
@@ -14,7 +16,8 @@ import { join } from 'node:path';
 import { createInterface } from 'node:readline';
 import { chromium } from 'playwright-core';
 
-const [baseUrl, streamPath, screenshotPath] = process.argv.slice(2);
+const [baseUrl, streamPath, screenshotPath, token] = process.argv.slice(2);
+const authorization = token ? { Authorization: `Bearer ${token}` } : {};
 const WAIT_MS = 20_000;
 const CHROMIUM_ARGS = [
   '--headless', '--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run',
@@ -26,7 +29,7 @@ async function append(n) {
   const url = `${baseUrl}/v1/stream/${streamPath}`;
   const response = await fetch(url, {
     method: 'POST',
-    headers: { 'Content-Type': 'application/json' },
+    headers: { 'Content-Type': 'application/json', ...authorization },
     body: JSON.stringify({ n }),
   });
   if (response.status !== 204) throw new Error(`append ${n}: ${response.status}`);
@@ -60,6 +63,12 @@ page.on('pageerror', (error) => problems.push(`page error: ${error.message}`));
 let status = 0;
 try {
   await page.goto(`${baseUrl}/`);
+  if (token) {
+    await expectText(page, '#list-status', 'access denied');
+    await page.fill('#token', token);
+    await page.click('#token-form button');
+    await expectText(page, '#token-state', 'token in use');
+  }
   await page.fill('#prefix', streamPath);
   await page.click('#list-form button');
   await page.click(`#streams tr[data-path="${streamPath}"]`, { timeout: WAIT_MS });
@@ -81,10 +90,13 @@ try {
   await append(5);
   await expectMessages(page, 5);
   const offsetAfter = await page.textContent('#offset');
-  const tail = (await fetch(`${baseUrl}/v1/stream/${streamPath}`, { method: 'HEAD' }))
-    .headers.get('Stream-Next-Offset');
+  const tail = (await fetch(`${baseUrl}/v1/stream/${streamPath}`, {
+    method: 'HEAD', headers: authorization,
+  })).headers.get('Stream-Next-Offset');
   if (offsetAfter !== tail) throw new Error(`page shows offset ${offsetAfter}, tail is ${tail}`);
-  if (page.url().includes('token')) throw new Error(`credentials in the URL: ${page.url()}`);
+  if (token && (page.url().includes(token) || (await page.content()).includes(token))) {
+    throw new Error('the token shows in the page URL or markup');
+  }
   if (problems.length) throw new Error(problems.join('; '));
 } catch (error) {
   status = 1;
