@@ -355,6 +355,19 @@ def s3_storage(moto_s3: str) -> S3Storage:
     return S3Storage(moto_s3, bucket, f"s3://{bucket}/picomq", s3_environment(moto_s3))
 
 
+@pytest.fixture(params=["local", "s3"])
+def storage_url(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> str:
+    """A fresh storage root, once on local disk and once in a new bucket on moto S3."""
+    if request.param == "local":
+        return str(tmp_path / "store")
+    endpoint = request.getfixturevalue("moto_s3")
+    for name, value in s3_environment(endpoint).items():
+        monkeypatch.setenv(name, value)
+    return f"s3://{create_bucket(endpoint, 'storage')}/picomq"
+
+
 @pytest.fixture
 def unique_stream(request: pytest.FixtureRequest) -> str:
     """A stream path no other test uses: the test's name plus a random suffix."""

@@ -3,35 +3,13 @@
 from __future__ import annotations
 
 import time
-import uuid
-from pathlib import Path
 
 import gevent
-import pytest
-import requests
 
 from objectstore import ObjectStore
 from storage import AppendRequest, CreateRequest, Payload, StoreSettings, StreamStore
 
 SETTINGS = StoreSettings(compact_after=4, compact_max_segments=8, index_max_age=0.03)
-
-
-@pytest.fixture(params=["local", "s3"])
-def storage_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "local":
-        return str(tmp_path / "data")
-    endpoint = request.getfixturevalue("moto_s3")
-    monkeypatch = request.getfixturevalue("monkeypatch")
-    for name, value in {
-        "AWS_ENDPOINT_URL": endpoint,
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_REGION": "us-east-1",
-    }.items():
-        monkeypatch.setenv(name, value)
-    bucket = f"compaction-{uuid.uuid4().hex[:12]}"
-    assert requests.put(f"{endpoint}/{bucket}", timeout=10).status_code == 200
-    return f"s3://{bucket}/picomq"
 
 
 def read_all(store: StreamStore, path: str) -> bytes:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import replace
-from pathlib import Path
 
 import gevent
 import pytest
@@ -26,24 +25,6 @@ from storage import (
 # Tiny index age: fence 0.1 s, deletion grace 0.5 s; no compaction in the way.
 SETTINGS = StoreSettings(index_max_age=0.05, compact_after=10_000)
 TEXT = "text/plain"
-
-
-@pytest.fixture(params=["local", "s3"])
-def storage_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "local":
-        return str(tmp_path / "data")
-    endpoint = request.getfixturevalue("moto_s3")
-    monkeypatch = request.getfixturevalue("monkeypatch")
-    for name, value in {
-        "AWS_ENDPOINT_URL": endpoint,
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_REGION": "us-east-1",
-    }.items():
-        monkeypatch.setenv(name, value)
-    bucket = f"retention-{uuid.uuid4().hex[:12]}"
-    assert requests.put(f"{endpoint}/{bucket}", timeout=10).status_code == 200
-    return f"s3://{bucket}/picomq"
 
 
 def append_pieces(store: StreamStore, path: str, count: int, *, producer: bool = False) -> None:
@@ -162,9 +143,14 @@ def test_http_retention_headers_410_and_resume(start_server: object) -> None:
     assert gone.headers["Stream-Earliest-Offset"] == first
     assert gone.json()["error"]["code"] == "offset_trimmed"
     resumed = requests.get(url, params={"offset": first}, timeout=10)
+    for _ in range(20):  # the trim may move on meanwhile: follow the 410 as a client would
+        if resumed.status_code != 410:
+            break
+        earliest_now = resumed.headers["Stream-Earliest-Offset"]
+        resumed = requests.get(url, params={"offset": earliest_now}, timeout=10)
     assert resumed.status_code == 200 and resumed.content.endswith(b"0019tail")
     from_start = requests.get(url, params={"offset": "-1"}, timeout=10)
-    assert from_start.content == resumed.content
+    assert from_start.status_code == 200 and from_start.content.endswith(b"0019tail")
     long_poll = requests.get(
         url, params={"offset": "0000000000000000_0000000000000000", "live": "long-poll"}
     )

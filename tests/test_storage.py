@@ -12,13 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
 import fsspec
 import gevent
 import orjson
 import pytest
-from conftest import create_bucket, s3_environment
 
 from objectstore import ObjectStore
 from storage import (
@@ -49,18 +47,6 @@ WRITERS_PER_STORE = 6
 APPENDS_PER_WRITER = 8
 
 MakeStore = Callable[[], StreamStore]
-
-
-@pytest.fixture(params=["local", "s3"])
-def storage_url(
-    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> str:
-    if request.param == "local":
-        return str(tmp_path / "store")
-    endpoint = request.getfixturevalue("moto_s3")
-    for name, value in s3_environment(endpoint).items():
-        monkeypatch.setenv(name, value)
-    return f"s3://{create_bucket(endpoint, 'storage')}/picomq"
 
 
 @pytest.fixture
