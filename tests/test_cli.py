@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 import requests
 from conftest import REPO_DIR, answers_http, find_free_port
 
+from auth import mint_token
+
 if TYPE_CHECKING:
     from conftest import Server, StartServer
 
@@ -25,10 +27,12 @@ DEADLINE_SECONDS = 30.0
 
 
 def picomq(
-    server_url: str, *arguments: str, input: bytes | None = None
+    server_url: str, *arguments: str, input: bytes | None = None, token: str | None = None
 ) -> subprocess.CompletedProcess[str]:
     environment = {key: value for key, value in os.environ.items() if key != "PICOMQ_TOKEN"}
     environment["PICOMQ_URL"] = server_url
+    if token is not None:
+        environment["PICOMQ_TOKEN"] = token
     result = subprocess.run(
         [*CLI, *arguments],
         input=input,
@@ -285,3 +289,25 @@ def test_serve_refuses_a_bad_setting_in_one_line(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert result.stderr.startswith("picomq: invalid setting: PICOMQ_LONG_POLL_TIMEOUT=")
     assert result.stderr.count("\n") == 1
+
+
+# -- access control ---------------------------------------------------------------------------
+
+
+def test_token_from_the_environment_and_denials_exit_5(
+    start_server: StartServer, unique_stream: str
+) -> None:
+    secret = "cli-test-secret-of-at-least-32-bytes!"
+    server = start_server(env={"PICOMQ_JWT_SECRET": secret})
+    writer = mint_token(secret, "HS256", "create:** append:** read:**", 600)
+    reader = mint_token(secret, "HS256", f"read:{unique_stream}", 600)
+
+    denied = picomq(server.url, "create", unique_stream)
+    assert denied.returncode == 5
+    assert denied.stderr.startswith("picomq: ") and denied.stderr.count("\n") == 1
+    ok(picomq(server.url, "create", unique_stream, token=writer))
+    ok(picomq(server.url, "append", unique_stream, '"hi"', token=writer))
+    assert ok(picomq(server.url, "read", unique_stream, token=reader)) == '"hi"\n'
+    refused = picomq(server.url, "append", unique_stream, '"no"', token=reader)
+    assert refused.returncode == 5
+    assert reader not in refused.stderr and writer not in refused.stderr
