@@ -17,6 +17,8 @@ from urllib.parse import urlsplit
 import requests
 from conftest import find_free_port
 
+from auth import mint_token
+
 if TYPE_CHECKING:
     from conftest import Server, StartServer
 
@@ -333,3 +335,30 @@ def test_a_forged_request_id_is_replaced(server: Server) -> None:
     assert len(generated) == 32 and generated.isalnum()
     other = requests.get(f"{server.url}/healthz", timeout=10).headers["X-Request-Id"]
     assert other != generated
+
+
+def test_auth_failures_count_refusals_but_not_fenced_producers(
+    start_server: StartServer, unique_stream: str
+) -> None:
+    secret = "ops-test-secret-of-at-least-32-bytes!!"
+    server = start_server(env={"PICOMQ_JWT_SECRET": secret})
+    token = mint_token(secret, "HS256", "admin:** create:** append:**", 600)
+    admin = {"Authorization": f"Bearer {token}"}
+
+    def auth_failures() -> float:
+        response = requests.get(f"{server.url}/metrics", headers=admin, timeout=10)
+        assert response.status_code == 200
+        lines = response.text.splitlines()
+        [line] = [line for line in lines if line.startswith("picomq_auth_failures_total ")]
+        return float(line.split()[1])
+
+    before = auth_failures()  # the fixture's readiness probe had no token
+    url = server.stream_url(unique_stream)
+    assert requests.get(f"{server.url}/metrics", timeout=10).status_code == 401
+    assert requests.put(url, headers={"Content-Type": JSON, **admin}).status_code == 201
+    producer = {"Content-Type": JSON, "Producer-Id": "p", "Producer-Seq": "0", **admin}
+    assert requests.post(url, data=b"1", headers={**producer, "Producer-Epoch": "1"}).ok
+    fenced = requests.post(url, data=b"2", headers={**producer, "Producer-Epoch": "0"})
+    assert fenced.status_code == 403  # a stale producer epoch, not a credential problem
+    assert requests.get(url, timeout=10).status_code == 401
+    assert auth_failures() - before == 2
