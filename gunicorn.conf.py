@@ -25,7 +25,9 @@ except SettingsError as error:
 bind = settings.bind
 workers = settings.workers
 worker_class = "gevent"
-worker_connections = 10_000
+# Above PICOMQ_MAX_LIVE_CONNECTIONS, so producers still get in when every live slot is
+# taken; the process needs as many file descriptors (LimitNOFILE in deploy/).
+worker_connections = settings.max_live_connections + 5_000
 # The gevent worker notifies the arbiter every second even while requests wait, so
 # `timeout` only catches a worker whose event loop is truly stuck.
 timeout = 30

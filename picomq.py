@@ -25,6 +25,7 @@ from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from limits import LiveConnections, json_nests_deeper_than
 from metrics import MeasuredObjectStore
+from objectstore import ObjectCache
 from settings import Settings
 from storage import (
     AppendRequest,
@@ -59,6 +60,7 @@ DEFAULT_CONTENT_TYPE = "application/octet-stream"
 CURSOR_EPOCH = datetime.fromisoformat("2024-10-09T00:00:00+00:00").timestamp()
 CURSOR_INTERVAL_SECONDS = 20
 RETRY_AFTER_SECONDS = "1"
+SSE_CACHE_BYTES = 32 * 1024 * 1024  # formatted SSE data events shared by subscribers
 
 NEXT_OFFSET = "Stream-Next-Offset"
 UP_TO_DATE = "Stream-Up-To-Date"
@@ -381,6 +383,7 @@ class StreamViews:
         self.store = store
         self.settings = settings
         self.live_connections = LiveConnections(settings.max_live_connections)
+        self.sse_cache = ObjectCache(SSE_CACHE_BYTES)
 
     def dispatch(self, path: str) -> Response:
         handlers = {
@@ -620,6 +623,24 @@ class StreamViews:
         events = self.sse_events(path, offset, cursor, SSE_DATA_ENCODING in headers)
         return Response(events, 200, headers)
 
+    def data_event(
+        self, path: str, info: StreamInfo, offset: int, base64_data: bool
+    ) -> tuple[int, bytes]:
+        """The data event from `offset` on, read and formatted once for all subscribers.
+
+        Stream bytes never change, so an event built for one reader at an offset is
+        right for every reader at that offset (it may end before the newest append;
+        the reader's next pass continues from its end).
+        """
+        key = f"{info.incarnation}:{offset}:{int(base64_data)}"
+        cached = self.sse_cache.get(key)
+        if cached is not None:
+            return int.from_bytes(cached[:8], "big"), cached[8:]
+        result = self.store.read(path, offset)
+        event = format_data_event(b"".join(result.chunks), base64_data)
+        self.sse_cache.put(key, result.end.to_bytes(8, "big") + event)
+        return result.end, event
+
     def sse_events(
         self, path: str, offset: int, cursor: str | None, base64_data: bool
     ) -> Iterator[bytes]:
@@ -632,9 +653,8 @@ class StreamViews:
                 timeout = min(self.settings.long_poll_timeout, deadline - time.monotonic())
                 data_event = b""
                 if info.tail > offset:
-                    result = self.store.read(path, offset)
-                    data_event = format_data_event(b"".join(result.chunks), base64_data)
-                    offset, info = result.end, result.info
+                    end, data_event = self.data_event(path, info, offset, base64_data)
+                    offset = end
                 cursor = next_cursor(cursor)
                 # One write per pair: a reader never sees a data event without its control.
                 yield data_event + format_control_event(info, offset, cursor)

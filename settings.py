@@ -168,7 +168,7 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "max_live_connections",
-        "5000",
+        "20000",
         _positive_int,
         "Long-poll and SSE reads each worker serves at once; one more gets 503 with Retry-After.",
     ),
