@@ -324,6 +324,7 @@ def create_store(settings: Settings) -> StreamStore:
         cache_bytes=settings.cache_bytes,
         poll_interval=settings.poll_interval or (0.05 if local else 1.0),
         recheck_interval=0.0 if local else 1.0,
+        linger_fraction=0.0 if local else 0.5,
         index_max_age=settings.index_max_age,
         retention_age=settings.retention_age,
         retention_bytes=settings.retention_bytes,

@@ -200,6 +200,7 @@ class StoreSettings:
     max_read_bytes: int = 4 * 1024 * 1024
     poll_interval: float = 0.05
     recheck_interval: float = 0.0
+    linger_fraction: float = 0.0  # wait this share of the last write before the next batch
     cached_streams: int = 10_000
     cache_bytes: int = 64 * 1024 * 1024
     compact_after: int = 64
@@ -299,6 +300,7 @@ class _Stream:
     housekeeping: bool = False
     earliest: int = 0
     trim_timer: gevent.Greenlet | None = None
+    write_seconds: float = 0.0  # how long the last segment write took
     changed: Event = field(default_factory=Event)
     pending: list[_Pending] = field(default_factory=list)
     writing: bool = False
@@ -801,6 +803,10 @@ class StreamStore:
     def _write_pending(self, stream: _Stream) -> None:
         try:
             while stream.pending:
+                if self.settings.linger_fraction:
+                    # Let the writers just answered send their next append: one batch
+                    # instead of two cohorts taking turns (object stores bill per PUT).
+                    gevent.sleep(min(self.settings.linger_fraction * stream.write_seconds, 0.05))
                 batch, stream.pending = stream.pending, []
                 try:
                     self._commit(stream, batch)
@@ -822,7 +828,9 @@ class StreamStore:
                     continue
                 break
             try:
+                started = time.monotonic()
                 self._write_segment(stream, plan)
+                stream.write_seconds = time.monotonic() - started
             except FileExistsError:
                 # Another process wrote at our tail first: adopt its state and re-validate.
                 losses += 1
