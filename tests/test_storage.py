@@ -244,6 +244,23 @@ def test_delete_then_recreate_starts_empty(make_store: MakeStore) -> None:
     assert read_all(store, "doomed") == b"new"
 
 
+def test_deleted_and_expired_streams_leave_no_objects(make_store: MakeStore) -> None:
+    store = make_store()
+    store.create("deleted", CreateRequest(TEXT, payload=Payload(b"gone soon")))
+    prefix = f"streams/deleted/{store.head('deleted').incarnation}"
+    store.delete("deleted")
+    assert store.objects.list(f"{prefix}/seg") == []
+    assert not store.objects.exists("streams/deleted/meta.json")
+
+    store.create("expiring", CreateRequest(TEXT, ttl=1, payload=Payload(b"brief")))
+    prefix = f"streams/expiring/{store.head('expiring').incarnation}"
+    gevent.sleep(1.2)
+    with pytest.raises(StreamNotFound):
+        store.read("expiring", None)  # touching an expired stream removes it
+    assert store.objects.list(f"{prefix}/seg") == []
+    assert not store.objects.exists("streams/expiring/meta.json")
+
+
 def test_deleting_a_forked_source_keeps_it_for_its_forks(make_store: MakeStore) -> None:
     store = make_store()
     store.create("origin", CreateRequest(TEXT, payload=Payload(b"shared")))
