@@ -140,7 +140,7 @@ def test_http_retention_headers_410_and_resume(start_server: object) -> None:
 
     gone = requests.get(url, params={"offset": "0000000000000000_0000000000000000"}, timeout=10)
     assert gone.status_code == 410
-    assert gone.headers["Stream-Earliest-Offset"] == first
+    assert gone.headers["Stream-Earliest-Offset"] >= first  # trimming may have moved on
     assert gone.json()["error"]["code"] == "offset_trimmed"
     resumed = requests.get(url, params={"offset": first}, timeout=10)
     for _ in range(20):  # the trim may move on meanwhile: follow the 410 as a client would
