@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from node_tools import npm_ci, require_node_and_npm
 
 if TYPE_CHECKING:
     from conftest import StartServer
@@ -23,38 +23,10 @@ if TYPE_CHECKING:
 CONFORMANCE_DIR = Path(__file__).resolve().parent / "conformance"
 EXPECTED_PASSED = 338  # every test of suite 0.3.6, the 6 subscription tests included
 LONG_POLL_TIMEOUT = 0.5  # the suite's offset=now long-poll tests must finish within 5 s
-NPM_TIMEOUT_SECONDS = 600
 VITEST_TIMEOUT_SECONDS = 600
 MESSAGE_CHARS = 400
 MAX_FAILURES_LISTED = 60
 OUTPUT_TAIL_CHARS = 4000
-
-
-def require_node_and_npm() -> None:
-    missing = [tool for tool in ("node", "npm") if shutil.which(tool) is None]
-    if missing:
-        pytest.fail(
-            f"{' and '.join(missing)} not found: install Node.js 18 or newer with npm "
-            "(Debian: apt-get install nodejs npm) to run the conformance suite"
-        )
-
-
-def install_suite() -> None:
-    """`npm ci` unless node_modules already matches package-lock.json."""
-    lock = CONFORMANCE_DIR / "package-lock.json"
-    installed = CONFORMANCE_DIR / "node_modules" / ".package-lock.json"  # written by npm
-    if installed.exists() and installed.stat().st_mtime >= lock.stat().st_mtime:
-        return
-    result = subprocess.run(
-        ["npm", "ci", "--no-audit", "--no-fund"],
-        cwd=CONFORMANCE_DIR,
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=NPM_TIMEOUT_SECONDS,
-    )
-    if result.returncode != 0:
-        pytest.fail(f"npm ci failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
 
 
 def run_vitest(base_url: str, report_path: Path) -> tuple[int, str]:
@@ -115,8 +87,11 @@ RETENTION = {"PICOMQ_RETENTION_AGE": "86400", "PICOMQ_RETENTION_BYTES": str(1 <<
 def test_conformance_suite(
     backend: str, start_server: StartServer, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    require_node_and_npm()
-    install_suite()
+    require_node_and_npm(
+        "install Node.js 18 or newer with npm "
+        "(Debian: apt-get install nodejs npm) to run the conformance suite"
+    )
+    npm_ci(CONFORMANCE_DIR)
     if backend == "s3":  # a fresh bucket on the session's moto_server
         storage = request.getfixturevalue("s3_storage")
         server = start_server(

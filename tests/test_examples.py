@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import pytest
 import requests
 from conftest import REPO_DIR, ManagedProcess, find_free_port
-from test_inspector import CHROMIUM, NODE_DIR, install_node_packages
+from node_tools import NODE_DIR, install_node_packages, require_chromium
 
 if TYPE_CHECKING:
     from conftest import Server, StartServer
@@ -81,8 +81,7 @@ def test_backend_reports_each_step_once_and_closes(backend: tuple[Server, str]) 
 
 
 def test_page_rebuilds_the_run_after_a_reload(backend: tuple[Server, str], tmp_path: Path) -> None:
-    if not CHROMIUM.exists():
-        pytest.fail(f"{CHROMIUM} not found: run ./test.sh (installs Debian's chromium as root)")
+    require_chromium()
     install_node_packages()
     _, base = backend
     screenshot = tmp_path / "agent-run.png"

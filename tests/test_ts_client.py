@@ -7,14 +7,10 @@ does the client side and checks every message arrives once; this test stops the 
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import threading
 from typing import TYPE_CHECKING
 
 import pytest
-from test_inspector import NODE_DIR, install_node_packages
+from node_tools import NODE_DIR, drive_through_restart, install_node_packages
 
 if TYPE_CHECKING:
     from conftest import StartServer
@@ -37,36 +33,17 @@ def test_typescript_client_journey(
 ) -> None:
     install_node_packages()
     server = start_server(env={"PICOMQ_SSE_MAX_DURATION": "1"})
-    driver = subprocess.Popen(
-        ["node", str(NODE_DIR / "ts_client_journey.mjs"), server.url, unique_stream, live],
-        cwd=NODE_DIR,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    timer = threading.Timer(DRIVER_TIMEOUT_SECONDS, os.killpg, (driver.pid, signal.SIGKILL))
-    timer.start()
-    try:
-        assert driver.stdout is not None and driver.stdin is not None
-        said = driver.stdout.readline().strip()
-        assert said == "RESTART", f"driver said {said!r}: {driver.stderr.read()}"
+    command = ["node", str(NODE_DIR / "ts_client_journey.mjs"), server.url, unique_stream, live]
+
+    def stop_and_start() -> None:
         if stop == "crash":
             server.kill9()  # under the client's open live read
             server.start()
         else:
             server.restart()  # SIGTERM: open live reads end by their deadline, then it stops
-        try:
-            driver.stdin.write("RESTARTED\n")
-            driver.stdin.flush()
-        except BrokenPipeError:
-            pass  # the driver has failed already: its output below says why
-        output, errors = driver.communicate()
-    finally:
-        timer.cancel()
-        if driver.poll() is None:
-            os.killpg(driver.pid, signal.SIGKILL)
-        driver.communicate()  # reaps it and closes the pipes
-    assert driver.returncode == 0, f"{output}\n{errors}"
+
+    returncode, output, errors = drive_through_restart(
+        command, stop_and_start, DRIVER_TIMEOUT_SECONDS
+    )
+    assert returncode == 0, f"{output}\n{errors}"
     assert output.startswith("OK 6 live messages"), output
