@@ -5,27 +5,12 @@
 // Starts a run from the page, reloads the page while the run is going, and checks the
 // rebuilt view ends with every event once, in order: started, each step, finished.
 
-import { mkdtempSync, rmSync } from 'node:fs';
-import { tmpdir } from 'node:os';
-import { join } from 'node:path';
-import { chromium } from 'playwright-core';
+import { runInBrowser } from './browser.mjs';
 
 const [backendUrl, screenshotPath] = process.argv.slice(2);
 const WAIT_MS = 30_000;
-const CHROMIUM_ARGS = [
-  '--headless', '--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run',
-  '--disable-background-networking', '--disable-component-update', '--disable-sync',
-];
 
-const userDataDir = mkdtempSync(join(tmpdir(), 'picomq-chromium-'));
-const context = await chromium.launchPersistentContext(userDataDir, {
-  executablePath: '/usr/bin/chromium', headless: true, args: CHROMIUM_ARGS,
-});
-const page = context.pages()[0] ?? await context.newPage();
-const problems = [];
-page.on('pageerror', (error) => problems.push(`page error: ${error.message}`));
-let status = 0;
-try {
+await runInBrowser(screenshotPath, async (page, problems) => {
   await page.goto(`${backendUrl}/`);
   await page.click('#start');
   await page.locator('#events li.progress').nth(1).waitFor({ timeout: WAIT_MS });
@@ -45,12 +30,4 @@ try {
   }
   if (problems.length) throw new Error(problems.join('; '));
   console.log(`OK ${run} ${steps}`);
-} catch (error) {
-  status = 1;
-  console.error(error.stack || String(error));
-  await page.screenshot({ path: screenshotPath, fullPage: true }).catch(() => {});
-} finally {
-  await context.close();
-  rmSync(userDataDir, { recursive: true, force: true });
-}
-process.exit(status);
+});

@@ -10,19 +10,12 @@
 // (access control on), the page must first say access is denied, take the token in its
 // Token field, and never show the token in its URL or its markup.
 
-import { mkdtempSync, rmSync } from 'node:fs';
-import { tmpdir } from 'node:os';
-import { join } from 'node:path';
 import { createInterface } from 'node:readline';
-import { chromium } from 'playwright-core';
+import { runInBrowser } from './browser.mjs';
 
 const [baseUrl, streamPath, screenshotPath, token] = process.argv.slice(2);
 const authorization = token ? { Authorization: `Bearer ${token}` } : {};
 const WAIT_MS = 20_000;
-const CHROMIUM_ARGS = [
-  '--headless', '--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run',
-  '--disable-background-networking', '--disable-component-update', '--disable-sync',
-];
 const lines = createInterface({ input: process.stdin })[Symbol.asyncIterator]();
 
 async function append(n) {
@@ -51,17 +44,7 @@ async function expectText(page, selector, fragment, state = 'visible') {
   await match.waitFor({ timeout: WAIT_MS, state });
 }
 
-const userDataDir = mkdtempSync(join(tmpdir(), 'picomq-chromium-'));
-const context = await chromium.launchPersistentContext(userDataDir, {
-  executablePath: '/usr/bin/chromium',
-  headless: true,
-  args: CHROMIUM_ARGS,
-});
-const page = context.pages()[0] ?? await context.newPage();
-const problems = [];
-page.on('pageerror', (error) => problems.push(`page error: ${error.message}`));
-let status = 0;
-try {
+await runInBrowser(screenshotPath, async (page, problems) => {
   await page.goto(`${baseUrl}/`);
   if (token) {
     await expectText(page, '#list-status', 'access denied');
@@ -98,12 +81,4 @@ try {
     throw new Error('the token shows in the page URL or markup');
   }
   if (problems.length) throw new Error(problems.join('; '));
-} catch (error) {
-  status = 1;
-  console.error(error.stack || String(error));
-  await page.screenshot({ path: screenshotPath, fullPage: true }).catch(() => {});
-} finally {
-  await context.close();
-  rmSync(userDataDir, { recursive: true, force: true });
-}
-process.exit(status);
+});
