@@ -21,6 +21,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
+import requests
 
 REPO_DIR = Path(__file__).resolve().parent.parent
 BIN_DIR = Path(sys.executable).parent
@@ -366,6 +367,23 @@ def storage_url(
     for name, value in s3_environment(endpoint).items():
         monkeypatch.setenv(name, value)
     return f"s3://{create_bucket(endpoint, 'storage')}/picomq"
+
+
+def follow_stream(url: str, max_reads: int, timeout: float) -> Iterator[requests.Response]:
+    """GET the stream from the start, each read on a new connection from the offset the
+    read before named in Stream-Next-Offset; yield each response (asserted 200), at most
+    max_reads of them."""
+    offset = "-1"
+    for _ in range(max_reads):
+        response = requests.get(
+            url,
+            params={"offset": offset},
+            headers={"Connection": "close"},
+            timeout=timeout,
+        )
+        assert response.status_code == 200, (response.status_code, response.text)
+        offset = response.headers["Stream-Next-Offset"]
+        yield response
 
 
 @pytest.fixture

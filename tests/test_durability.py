@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 import requests
+from conftest import follow_stream
 
 from segments import StreamState, encode_segment
 
@@ -56,17 +57,9 @@ def parse_position(offset: str) -> int:
 
 def read_stream(url: str) -> tuple[list[bytes], requests.Response]:
     """Every body from the start, following Stream-Next-Offset until Stream-Up-To-Date."""
-    bodies, offset = [], "-1"
-    for _ in range(MAX_READS):
-        response = requests.get(
-            url,
-            params={"offset": offset},
-            headers=CLOSE_CONNECTION,
-            timeout=REQUEST_TIMEOUT_SECONDS,
-        )
-        assert response.status_code == 200, (response.status_code, response.text)
+    bodies = []
+    for response in follow_stream(url, MAX_READS, REQUEST_TIMEOUT_SECONDS):
         bodies.append(response.content)
-        offset = response.headers[NEXT_OFFSET]
         if response.headers.get(UP_TO_DATE) == "true":
             return bodies, response
     pytest.fail(f"{url} was not up to date after {MAX_READS} reads")

@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 
 import pytest
 import requests
+from conftest import follow_stream
 
 if TYPE_CHECKING:
     from conftest import Server, StartServer
@@ -175,18 +176,10 @@ def read_bodies_to_tail(url: str) -> list[bytes]:
     trusting Stream-Up-To-Date (test_catch_up_read_sees_appends_made_on_other_workers
     checks that header on its own).
     """
-    tail, offset, bodies = head_tail(url), "-1", []
-    for _ in range(MAX_READS):
-        response = requests.get(
-            url,
-            params={"offset": offset},
-            headers=CLOSE_CONNECTION,
-            timeout=REQUEST_TIMEOUT_SECONDS,
-        )
-        assert response.status_code == 200, (response.status_code, response.text)
+    tail, bodies = head_tail(url), []
+    for response in follow_stream(url, MAX_READS, REQUEST_TIMEOUT_SECONDS):
         bodies.append(response.content)
-        offset = response.headers[NEXT_OFFSET]
-        if offset == tail:
+        if response.headers[NEXT_OFFSET] == tail:
             return bodies
     pytest.fail(f"{url} did not reach its tail {tail} in {MAX_READS} reads")
 
