@@ -311,11 +311,30 @@ def encode_batch(lines: list[bytes], is_json: bool, first_line: int) -> bytes:
     return b"[" + b",".join(line.strip() for line in lines) + b"]"
 
 
+def reading_options(offset_help: str) -> Any:
+    """The arguments `read` and `tail` share, as if stacked in this order above the command:
+    the stream's path, where to start, where to keep the offset, and the output format."""
+    decorators = [
+        click.argument("path"),
+        click.option("--offset", default=None, help=offset_help),
+        click.option(
+            "--offset-file", type=click.Path(dir_okay=False), help="Resume from, and save to."
+        ),
+        click.option(
+            "--format", "output", type=click.Choice(["auto", "jsonl", "raw"]), default="auto"
+        ),
+    ]
+
+    def decorate(function: Any) -> Any:
+        for decorator in reversed(decorators):  # the bottom one applies first
+            function = decorator(function)
+        return function
+
+    return decorate
+
+
 @main.command()
-@click.argument("path")
-@click.option("--offset", default=None, help="Where to start: -1 (the beginning) or an offset.")
-@click.option("--offset-file", type=click.Path(dir_okay=False), help="Resume from, and save to.")
-@click.option("--format", "output", type=click.Choice(["auto", "jsonl", "raw"]), default="auto")
+@reading_options(offset_help="Where to start: -1 (the beginning) or an offset.")
 @client_command
 def read(
     client: Client, path: str, offset: str | None, offset_file: str | None, output: str
@@ -333,10 +352,7 @@ def read(
 
 
 @main.command()
-@click.argument("path")
-@click.option("--offset", default=None, help="Where to start: now (default), -1 or an offset.")
-@click.option("--offset-file", type=click.Path(dir_okay=False), help="Resume from, and save to.")
-@click.option("--format", "output", type=click.Choice(["auto", "jsonl", "raw"]), default="auto")
+@reading_options(offset_help="Where to start: now (default), -1 or an offset.")
 @client_command
 def tail(
     client: Client, path: str, offset: str | None, offset_file: str | None, output: str
