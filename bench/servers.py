@@ -2,7 +2,7 @@
 
 Each starts in its own session (so a stop reaches its whole process group), pinned to
 the server core with `taskset`, with its output in a log file, and is polled for
-readiness with a deadline. A server that exits or never answers raises `ServerFailed`
+readiness with a deadline. A server that exits or never answers raises `ProcessFailed`
 with its output. Stopping is SIGTERM, a deadline, then SIGKILL to the group — only
 ever the processes started here, by PID.
 
@@ -11,36 +11,28 @@ Also here: resident memory and CPU time of a server's process tree, read from /p
 
 from __future__ import annotations
 
-import http.client
 import os
 import re
 import resource
 import signal
-import socket
-import subprocess
 import sys
-import time
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_DIR = BENCH_DIR.parent
 BIN_DIR = Path(sys.executable).parent
-HOST = "127.0.0.1"
-READY_DEADLINE_SECONDS = 30.0
+sys.path.insert(0, str(REPO_DIR / "tests"))  # the process handling the tests use too
+from processes import HOST, ManagedProcess, ProcessFailed, free_port  # noqa: E402
+
+READINESS_PATH = "/v1/stream/__readiness-probe"
 # Past this deadline after the stop signal, the process group is killed.
 STOP_DEADLINE_SECONDS = 15.0
 LONG_POLL_TIMEOUT_SECONDS = 20  # PicoMQ's default; the reference is given the same
-OUTPUT_TAIL_CHARS = 4000
 # 10,000 SSE subscribers need 10,000 descriptors in the client and in the server, plus
 # a few; children inherit the limit raised here.
 WANTED_OPEN_FILES = 65536
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-class ServerFailed(RuntimeError):
-    """A server exited early or never answered HTTP; the message carries its output."""
 
 
 def raise_open_file_limit() -> int:
@@ -54,86 +46,12 @@ def raise_open_file_limit() -> int:
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind((HOST, 0))
-        return probe.getsockname()[1]
+class Server(ManagedProcess):
+    """A benchmarked server: a managed process, plus its tree's memory and CPU time."""
 
-
-def answers_http(port: int) -> bool:
-    """True if anything on HOST:port answers an HTTP request, whatever the status."""
-    connection = http.client.HTTPConnection(HOST, port, timeout=2)
-    try:
-        connection.request("HEAD", "/v1/stream/__readiness-probe")
-        connection.getresponse().read()
-        return True
-    except OSError:
-        return False
-    finally:
-        connection.close()
-
-
-@dataclass
-class Server:
-    """One server process: `start()` waits until it answers, `stop()` ends its group."""
-
-    name: str
-    command: list[str]
-    env: dict[str, str]
-    cwd: Path
-    log_path: Path
-    port: int
-    stop_signal: signal.Signals = signal.SIGTERM
-    process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
-
-    @property
-    def url(self) -> str:
-        return f"http://{HOST}:{self.port}"
-
-    @property
-    def pid(self) -> int:
-        assert self.process is not None, f"{self.name} is not running"
-        return self.process.pid
-
-    def start(self) -> Server:
-        with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(
-                self.command,
-                cwd=self.cwd,
-                env=self.env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        deadline = time.monotonic() + READY_DEADLINE_SECONDS
-        while not answers_http(self.port):
-            if self.process.poll() is not None:
-                self.process = None
-                raise ServerFailed(f"{self.name} exited before answering\n{self.output_tail()}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise ServerFailed(f"{self.name} did not answer in time\n{self.output_tail()}")
-            time.sleep(0.05)
+    def start(self) -> Server:  # type: ignore[override]
+        super().start()
         return self
-
-    def stop(self) -> None:
-        """`stop_signal`, wait, then SIGKILL the process group this server leads."""
-        if self.process is None:
-            return
-        if self.process.poll() is None:
-            self.process.send_signal(self.stop_signal)
-            try:
-                self.process.wait(timeout=STOP_DEADLINE_SECONDS)
-            except subprocess.TimeoutExpired:
-                # The leader is unreaped, so its PID (= the group ID) is still ours.
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-        self.process = None
-
-    def output_tail(self) -> str:
-        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-        return f"--- {self.name} output ({self.log_path}) ---\n{text[-OUTPUT_TAIL_CHARS:]}"
 
     def processes(self) -> list[int]:
         """The server's PID and all its descendants' (a gunicorn master and its worker)."""
@@ -198,20 +116,22 @@ def picomq(work_dir: Path, core: int | None, extra_env: dict[str, str] | None = 
     # SIGQUIT is gunicorn's quick shutdown: a graceful one would wait for live reads the
     # bench has already abandoned (up to the long-poll timeout). Its data is thrown away.
     return Server(
-        "picomq",
-        pinned(core, command),
-        env,
-        REPO_DIR,
-        work_dir / "server.log",
-        port,
+        name="picomq",
+        command=pinned(core, command),
+        cwd=REPO_DIR,
+        env=env,
+        log_path=work_dir / "server.log",
+        port=port,
+        readiness_path=READINESS_PATH,
         stop_signal=signal.SIGQUIT,
+        stop_deadline_seconds=STOP_DEADLINE_SECONDS,
     )
 
 
 def reference(work_dir: Path, core: int | None) -> Server:
     """The reference server (bench/reference_server.mjs) with its file store in work_dir/data."""
     if not (BENCH_DIR / "node_modules" / "@durable-streams" / "server").exists():
-        raise ServerFailed("reference server not installed: run `npm ci` in bench/")
+        raise ProcessFailed("reference server not installed: run `npm ci` in bench/")
     port = free_port()
     data_dir = work_dir / "data"
     command = [
@@ -222,7 +142,16 @@ def reference(work_dir: Path, core: int | None) -> Server:
         str(LONG_POLL_TIMEOUT_SECONDS * 1000),
     ]
     env = dict(os.environ)
-    return Server("reference", pinned(core, command), env, BENCH_DIR, work_dir / "server.log", port)
+    return Server(
+        name="reference",
+        command=pinned(core, command),
+        cwd=BENCH_DIR,
+        env=env,
+        log_path=work_dir / "server.log",
+        port=port,
+        readiness_path=READINESS_PATH,
+        stop_deadline_seconds=STOP_DEADLINE_SECONDS,
+    )
 
 
 def moto(work_dir: Path) -> Server:
@@ -233,8 +162,15 @@ def moto(work_dir: Path) -> Server:
     # Free to run on any core (the harness's own affinity would tie it to the client's):
     # the S3 rows count requests, and moto is the slowest part of that load.
     every_core = f"0-{os.cpu_count() - 1}"
-    return Server("moto", ["taskset", "-c", every_core, *command], env, work_dir,
-                  work_dir / "moto.log", port)  # fmt: skip
+    return Server(
+        name="moto",
+        command=["taskset", "-c", every_core, *command],
+        cwd=work_dir,
+        env=env,
+        log_path=work_dir / "moto.log",
+        port=port,
+        stop_deadline_seconds=STOP_DEADLINE_SECONDS,
+    )
 
 
 # werkzeug's access log line; answers other than 2xx have the request in ANSI colours.

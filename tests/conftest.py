@@ -9,36 +9,21 @@ from __future__ import annotations
 
 import http.client
 import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import processes
 import pytest
 import requests
 
 REPO_DIR = Path(__file__).resolve().parent.parent
 BIN_DIR = Path(sys.executable).parent
-READY_DEADLINE_SECONDS = 30.0
-# Live reads end themselves (long-poll timeout, SSE max duration), so a graceful stop is
-# quick; past this deadline the process group is killed.
-STOP_DEADLINE_SECONDS = 30.0
-OUTPUT_TAIL_CHARS = 8000
 READINESS_PATH = "/v1/stream/__readiness-probe"
 DEFAULT_LONG_POLL_TIMEOUT = 0.5
-
-
-def find_free_port() -> int:
-    """Ask the kernel for a free loopback port (free now; a race with others is possible)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def find_executable(name: str) -> Path:
@@ -49,96 +34,14 @@ def find_executable(name: str) -> Path:
     return path
 
 
-def answers_http(port: int, path: str) -> bool:
-    """True if anything on 127.0.0.1:port answers an HTTP GET, whatever the status."""
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-    try:
-        connection.request("GET", path)
-        connection.getresponse().read()
-        return True
-    except OSError:
-        return False
-    finally:
-        connection.close()
-
-
-@dataclass
-class ManagedProcess:
-    """One server process, started in a new session so a kill reaches its children too."""
-
-    name: str
-    command: list[str]
-    cwd: Path
-    env: dict[str, str]
-    log_path: Path
-    port: int
-    readiness_path: str = "/"
-    process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
-
-    @property
-    def pid(self) -> int:
-        assert self.process is not None, f"{self.name} is not running"
-        return self.process.pid
+class ManagedProcess(processes.ManagedProcess):
+    """A test's server process: a start that fails fails the test, with the output."""
 
     def start(self) -> None:
-        """Start the process and wait until it answers HTTP; fail the test if it does not."""
-        assert self.process is None, f"{self.name} is already running"
-        with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(
-                self.command,
-                cwd=self.cwd,
-                env=self.env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        deadline = time.monotonic() + READY_DEADLINE_SECONDS
-        while not answers_http(self.port, self.readiness_path):
-            if self.process.poll() is not None:
-                self.process = None
-                pytest.fail(f"{self.name} exited before answering HTTP\n{self.output_tail()}")
-            if time.monotonic() > deadline:
-                self.kill9()
-                pytest.fail(
-                    f"{self.name} did not answer HTTP within {READY_DEADLINE_SECONDS} s\n"
-                    f"{self.output_tail()}"
-                )
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        """SIGTERM, wait for a graceful exit, then SIGKILL the process group."""
-        if self.process is None:
-            return
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=STOP_DEADLINE_SECONDS)
-            except subprocess.TimeoutExpired:
-                self.kill9()
-                return
-        self.process = None
-
-    def kill9(self) -> None:
-        """SIGKILL the whole process group at once, as a crash of the machine would."""
-        if self.process is None:
-            return
-        # Signal the group only while its leader is unreaped: its PID, and so the group
-        # ID, cannot have been reused by anyone else yet.
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait()
-        self.process = None
-
-    def output(self) -> str:
-        """Everything the process has written to stdout and stderr, all runs included."""
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    def output_tail(self) -> str:
-        text = self.output()
-        if len(text) > OUTPUT_TAIL_CHARS:
-            text = "...\n" + text[-OUTPUT_TAIL_CHARS:]
-        return f"--- {self.name} output ({self.log_path}) ---\n{text}"
+        try:
+            super().start()
+        except processes.ProcessFailed as error:
+            pytest.fail(str(error))
 
 
 @dataclass
@@ -207,7 +110,7 @@ def make_server(
     """
     data_dir = base_dir / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
-    port = find_free_port()
+    port = processes.free_port()
     server_env = server_environment(
         storage_url or str(data_dir), long_poll_timeout, workers, env or {}
     )
@@ -279,7 +182,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 def make_moto(base_dir: Path) -> ManagedProcess:
     """A moto_server (not yet started) on a free port, its log under base_dir."""
-    port = find_free_port()
+    port = processes.free_port()
     return ManagedProcess(
         name="moto_server",
         command=[str(find_executable("moto_server")), "-H", "127.0.0.1", "-p", str(port)],

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import requests
-from conftest import REPO_DIR, answers_http, find_free_port
+from conftest import REPO_DIR
+from processes import answers_http, free_port
 
 from auth import mint_token
 
@@ -170,7 +171,7 @@ def test_errors_are_one_line_with_exit_codes(server: Server, unique_stream: str)
     assert bad_line.stderr == "picomq: line 2 is not one JSON value\n"
     assert ok(picomq(server.url, "read", unique_stream)) == ""  # nothing half-appended
 
-    nobody = f"http://127.0.0.1:{find_free_port()}"
+    nobody = f"http://127.0.0.1:{free_port()}"
     unreachable = picomq(nobody, "ls")
     assert unreachable.returncode == 6
     assert unreachable.stderr == f"picomq: cannot reach {nobody}: connection refused\n"
@@ -242,7 +243,7 @@ def test_ctrl_c_stops_tail_cleanly_and_the_offset_file_resumes_it(
 
 
 def test_serve_runs_gunicorn_on_the_given_address_and_storage(tmp_path: Path) -> None:
-    port = find_free_port()
+    port = free_port()
     data = tmp_path / "data"
     log = tmp_path / "serve.log"
     environment = {key: value for key, value in os.environ.items() if not key.startswith("PICOMQ_")}

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 import requests
-from conftest import REPO_DIR, ManagedProcess, find_free_port
+from conftest import REPO_DIR, ManagedProcess
+from processes import free_port
 
 if TYPE_CHECKING:
     from conftest import Server
@@ -72,7 +73,7 @@ def proxied(server: Server, tmp_path: Path) -> Iterator[tuple[Server, str]]:
     nginx = shutil.which("nginx") or "/usr/sbin/nginx"
     if not Path(nginx).exists():
         pytest.fail("nginx not found: run ./test.sh (installs it as root on Debian)")
-    port = find_free_port()
+    port = free_port()
     picomq_port = int(server.url.rsplit(":", 1)[1])
     config = nginx_config(tmp_path, site_for(picomq_port, port), port)
     managed = ManagedProcess(

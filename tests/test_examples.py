@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING
 
 import pytest
 import requests
-from conftest import REPO_DIR, ManagedProcess, find_free_port
+from conftest import REPO_DIR, ManagedProcess
 from node_tools import NODE_DIR, install_node_packages, require_chromium
+from processes import free_port
 
 if TYPE_CHECKING:
     from conftest import Server, StartServer
@@ -28,7 +29,7 @@ DRIVER_TIMEOUT_SECONDS = 120
 def backend(start_server: StartServer, tmp_path: Path) -> Iterator[tuple[Server, str]]:
     """PicoMQ and the example's backend in front of it; yields both URLs' owner and base."""
     server = start_server()
-    port = find_free_port()
+    port = free_port()
     environment = dict(
         os.environ, PICOMQ_URL=server.url, AGENT_STEPS=str(STEPS), AGENT_STEP_SECONDS="0.4"
     )

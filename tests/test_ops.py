@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import requests
-from conftest import find_free_port
+from processes import free_port
 
 from auth import mint_token
 
@@ -111,7 +111,7 @@ def test_readyz_on_s3_follows_the_endpoint(start_server: StartServer, moto_s3: s
     up = start_server(storage_url=f"s3://{bucket}/picomq", env=s3_env(moto_s3))
     assert requests.get(f"{up.url}/readyz", timeout=30).status_code == 200
 
-    nothing_there = f"http://127.0.0.1:{find_free_port()}"
+    nothing_there = f"http://127.0.0.1:{free_port()}"
     down = start_server(storage_url=f"s3://{bucket}/picomq", env=s3_env(nothing_there))
     response = requests.get(f"{down.url}/readyz", timeout=60)
     assert response.status_code == 503
