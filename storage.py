@@ -6,6 +6,10 @@ never rewritten):
     <root>/streams/<key>/meta.json                  config and incarnation id (the commit
                                                     point of create; deleted to delete)
     <root>/streams/<key>/<incarnation>/seg/<pos>    segment whose first byte is at <pos>
+    <root>/streams/<key>/<incarnation>/pack/<a>-<b> run of segments covering [a, b)
+                                                    (compaction.py)
+    <root>/streams/<key>/<incarnation>/trim/<pos>   retention dropped the data before <pos>
+                                                    (retention.py)
     <root>/streams/<key>/<incarnation>/gone         soft-delete tombstone (forks still read)
     <root>/streams/<key>/<incarnation>/forks/<key>  one marker per fork that reads from it
     <root>/streams/<key>/<incarnation>/touched      sliding-TTL access marker (mtime)
@@ -21,7 +25,9 @@ Appends are group-committed: one writer greenlet per stream per process takes ev
 pending append, validates them in order, writes them as one segment and only then
 answers them all. Live readers wait on an in-process event; when appends may come
 from another process they also poll for the next segment at a bounded interval,
-and only while someone is waiting (idle streams cost nothing).
+and only while someone is waiting (idle streams cost nothing). After a commit the
+writer starts the stream's housekeeping: compaction.py merges small segments into
+packs, retention.py trims the head of streams that keep data by age or size.
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ import gevent
 import orjson
 from gevent.event import AsyncResult, Event
 
+import compaction
+import retention
 from objectstore import ObjectCache, ObjectStore, StorageUnavailable
 from segments import (
     HEADER_PROBE_BYTES,
@@ -297,7 +305,7 @@ class _Stream:
     segments: dict[str, SegmentIndex] = field(default_factory=dict)  # by object key
     indexed_at: float = 0.0
     unpacked: int = 0
-    housekeeping: bool = False
+    housekeeping: bool = False  # compaction or retention is at work (one at a time)
     earliest: int = 0
     trim_timer: gevent.Greenlet | None = None
     write_seconds: float = 0.0  # how long the last segment write took
@@ -325,9 +333,19 @@ class _Stream:
     def pack_key(self, start: int, end: int) -> str:
         return f"{self.prefix}/pack/{segment_name(start)}-{segment_name(end)}"
 
+    def trim_key(self, earliest: int) -> str:
+        return f"{self.prefix}/trim/{segment_name(earliest)}"
+
     def piece_key(self, start: int) -> str:
         """The object holding the data at `start`: a pack once compacted, else the segment."""
         return self.keys.get(start) or self.segment_key(start)
+
+    def add_start(self, start: int) -> None:
+        """Index a segment once, whether our writer or a refresh saw it first."""
+        position = bisect.bisect_left(self.starts, start)
+        if position == len(self.starts) or self.starts[position] != start:
+            self.starts.insert(position, start)
+            self.unpacked += 1
 
     def info(self) -> StreamInfo:
         config = self.config
@@ -367,7 +385,11 @@ def _meta_key(path: str) -> str:
 
 
 class StreamStore:
-    """Create, append, read, wait, delete: the storage verbs the protocol needs."""
+    """Create, append, read, wait, delete: the storage verbs the protocol needs.
+
+    `segment`, `read_segment`, `has_forks` and `delete_later` are public for the
+    store's housekeeping (compaction.py, retention.py), not for the HTTP layer.
+    """
 
     def __init__(self, objects: ObjectStore, settings: StoreSettings | None = None) -> None:
         self.objects = objects
@@ -487,8 +509,8 @@ class StreamStore:
         stream.unpacked = len(starts) - len(keys)
         stream.indexed_at = time.monotonic()
         if covered:
-            gevent.spawn_later(self.settings.delete_grace, self._delete_quietly, covered)
-        self._schedule_trim(stream)
+            self.delete_later(covered)
+        retention.schedule_trim(self, stream)
 
     def _list_pieces(self, stream: _Stream) -> tuple[list[int], dict[int, str], list[str], int]:
         """Starts of the pieces in use, pack keys by start, unused keys, earliest offset.
@@ -579,9 +601,10 @@ class StreamStore:
 
     # -- segments -----------------------------------------------------------------------
 
-    def _read_segment(
+    def read_segment(
         self, stream: _Stream, start: int, *, whole: bool = False
     ) -> tuple[SegmentIndex, StreamState]:
+        """Header (and state) of the piece at `start`, remembered in the stream's index."""
         key = stream.piece_key(start)
         index, state = self._read_piece(key, whole=whole)
         stream.segments[key] = index
@@ -612,22 +635,37 @@ class StreamStore:
         log.warning("dropping torn segment %s: %s", key, error)
         self.objects.delete_many([key])
 
-    def _segment(self, stream: _Stream, start: int) -> SegmentIndex:
+    def delete_later(self, keys: list[str]) -> None:
+        """Delete objects that left the index once no older index can still name them.
+
+        A failed delete is only logged: the next listing finds the objects unused and
+        schedules them again.
+        """
+        gevent.spawn_later(self.settings.delete_grace, self._delete_quietly, keys)
+
+    def _delete_quietly(self, keys: list[str]) -> None:
+        try:
+            self.objects.delete_many(keys)
+        except StorageUnavailable as error:
+            log.warning("could not delete %d compacted segments: %s", len(keys), error)
+
+    def segment(self, stream: _Stream, start: int) -> SegmentIndex:
+        """The index of the piece at `start`, read from storage only the first time."""
         index = stream.segments.get(stream.piece_key(start))
-        return index if index is not None else self._read_segment(stream, start)[0]
+        return index if index is not None else self.read_segment(stream, start)[0]
 
     def _refresh(self, stream: _Stream) -> bool:
         """Pick up segments other processes wrote after our tail; True if any."""
         found = False
         while not stream.state.closed:
             try:
-                index, state = self._read_segment(stream, stream.state.tail, whole=True)
+                index, state = self.read_segment(stream, stream.state.tail, whole=True)
             except FileNotFoundError:
                 break
             except CorruptSegment as error:
                 self._drop_torn(stream.segment_key(stream.state.tail), error)
                 break
-            _add_start(stream, index.start)
+            stream.add_start(index.start)
             stream.state = state
             found = True
             if index.end == index.start:
@@ -781,7 +819,7 @@ class StreamStore:
         position = bisect.bisect_right(stream.starts, offset) - 1
         if position < 0 or offset >= stream.state.tail:
             raise InvalidRequest("Stream-Fork-Sub-Offset names data past the source's tail")
-        index = self._segment(stream, stream.starts[position])
+        index = self.segment(stream, stream.starts[position])
         append_starts = (index.start, *index.append_ends[:-1])
         if offset not in append_starts:
             raise InvalidRequest("Stream-Fork-Offset is not the start of an append")
@@ -850,8 +888,8 @@ class StreamStore:
             self._announce(stream.info())
             for observe in self.commit_observers:
                 observe(len(batch))
-            self._maybe_compact(stream)
-            self._schedule_trim(stream)
+            compaction.maybe_compact(self, stream)
+            retention.schedule_trim(self, stream)
             break
         for pending, outcome in zip(batch, plan.outcomes, strict=True):
             if isinstance(outcome, StoreError):
@@ -883,7 +921,7 @@ class StreamStore:
                 raise
             # Our own earlier attempt landed; only its answer was lost.
         self.cache.put(key, data)
-        _add_start(stream, start)
+        stream.add_start(start)
         stream.state = plan.state
 
     def _plan(self, stream: _Stream, batch: list[_Pending]) -> _Plan:
@@ -935,146 +973,6 @@ class StreamStore:
         if producer is None and request.payload is None and request.close:
             return AppendResult(_info(stream, state), duplicate=True)
         raise StreamClosed(state.tail)
-
-    # -- compaction -----------------------------------------------------------------
-
-    def _maybe_compact(self, stream: _Stream) -> None:
-        if stream.unpacked > self.settings.compact_after and not stream.housekeeping:
-            stream.housekeeping = True
-            gevent.spawn(self._compact, stream)
-
-    def _compact(self, stream: _Stream) -> None:
-        """Merge a run of small segments into one pack covering the same offsets.
-
-        The pack is written create-only (two nodes packing the same run write the
-        same bytes; one wins). The originals stay for `delete_grace` so that readers
-        and writers holding an older index never miss them; a writer that still knew
-        an old tail would otherwise find its segment name free again.
-        """
-        try:
-            run = self._unpacked_run(stream)
-            if len(run) < 2:
-                return
-            headers = [self._read_segment(stream, start) for start in run]
-            payload = b"".join(
-                self.objects.read(stream.piece_key(index.start), index.payload_position)
-                for index, _ in headers
-            )
-            end, state = headers[-1][0].end, headers[-1][1]
-            appends = [end for index, _ in headers for end in index.append_ends]
-            messages = [end for index, _ in headers for end in index.message_ends]
-            pack = stream.pack_key(run[0], end)
-            try:
-                self.objects.create(pack, encode_segment(run[0], payload, appends, messages, state))
-            except FileExistsError:
-                pass
-            originals = [stream.segment_key(start) for start in run]
-            self._adopt_pack(stream, run, pack)
-            gevent.spawn_later(self.settings.delete_grace, self._delete_quietly, originals)
-        except (StorageUnavailable, FileNotFoundError, CorruptSegment) as error:
-            log.warning("compaction of %s postponed: %s", stream.config.path, error)
-        finally:
-            stream.housekeeping = False
-
-    def _unpacked_run(self, stream: _Stream) -> list[int]:
-        """Consecutive unpacked segments before the tail segment, oldest first."""
-        run: list[int] = []
-        for start in stream.starts[:-1]:
-            if start in stream.keys:
-                run = []
-                continue
-            run.append(start)
-            if len(run) == self.settings.compact_max_segments:
-                break
-        return run
-
-    @staticmethod
-    def _adopt_pack(stream: _Stream, run: list[int], pack: str) -> None:
-        """Swap the pack in by value: the index may have been re-listed meanwhile."""
-        replaced = set(run[1:])
-        stream.starts = [start for start in stream.starts if start not in replaced]
-        _add_start(stream, run[0])
-        stream.keys[run[0]] = pack
-        stream.unpacked = len(stream.starts) - len(stream.keys)
-
-    def _delete_quietly(self, keys: list[str]) -> None:
-        try:
-            self.objects.delete_many(keys)
-        except StorageUnavailable as error:
-            log.warning("could not delete %d compacted segments: %s", len(keys), error)
-
-    # -- retention ----------------------------------------------------------------------
-
-    def _schedule_trim(self, stream: _Stream) -> None:
-        """Check retention soon, once: after appends, on load, and when data comes of age.
-
-        Only streams with a retention setting and data past it get a timer, so idle
-        streams with nothing to trim cost nothing.
-        """
-        config = stream.config
-        if config.retention_age is None and config.retention_bytes is None:
-            return
-        if len(stream.starts) < 2 or stream.trim_timer is not None:
-            return
-        stream.trim_timer = gevent.spawn_later(self.settings.index_max_age / 10, self._trim, stream)
-
-    def _trim(self, stream: _Stream) -> None:
-        """Drop whole pieces from the head that retention no longer keeps.
-
-        A new earliest offset is published first (a create-only `trim/<offset>`
-        marker, so every process answers 410 below it within `index_max_age`); the
-        pieces are deleted `delete_grace` later. A piece goes only once the piece
-        after it is older than twice `index_max_age`: no writer can then hold a tail
-        so old that the trimmed name would look free. Forked streams are not trimmed:
-        their forks read the data. The last piece, with the stream's state, stays.
-        """
-        stream.trim_timer = None
-        if stream.housekeeping:  # compaction is rewriting the index: look again soon
-            self._schedule_trim(stream)
-            return
-        stream.housekeeping = True
-        try:
-            cut, wake_at = self._trim_point(stream)
-            if cut > stream.earliest and not self._has_forks(stream):
-                try:
-                    self.objects.create(f"{stream.prefix}/trim/{segment_name(cut)}", b"")
-                except FileExistsError:
-                    pass
-                gone = [stream.piece_key(start) for start in stream.starts if start < cut]
-                stream.starts = [start for start in stream.starts if start >= cut]
-                stream.earliest = cut
-                gevent.spawn_later(self.settings.delete_grace, self._delete_quietly, gone)
-            if wake_at is not None and stream.trim_timer is None:
-                delay = max(wake_at - time.time(), self.settings.index_max_age / 10)
-                stream.trim_timer = gevent.spawn_later(delay, self._trim, stream)
-        except (StorageUnavailable, FileNotFoundError, CorruptSegment) as error:
-            log.warning("retention of %s postponed: %s", stream.config.path, error)
-        finally:
-            stream.housekeeping = False
-
-    def _trim_point(self, stream: _Stream) -> tuple[int, float | None]:
-        """The first offset to keep, and when to look again (None: nothing will age out)."""
-        config, now = stream.config, time.time()
-        fence_age = 2 * self.settings.index_max_age
-        starts = list(stream.starts)
-        cut, wake_at = stream.earliest, None
-        for start, following in zip(starts, starts[1:], strict=False):
-            piece, after = self._segment(stream, start), self._segment(stream, following)
-            too_old = config.retention_age is not None and (
-                piece.written_at < now - config.retention_age
-            )
-            too_big = config.retention_bytes is not None and (
-                stream.state.tail - start > config.retention_bytes
-            )
-            if not (too_old or too_big):
-                if config.retention_age is not None:
-                    wake_at = piece.written_at + config.retention_age
-                break
-            if after.written_at > now - fence_age:
-                wake_at = after.written_at + fence_age
-                break
-            cut = following
-        return cut, wake_at
 
     # -- head, read, wait -----------------------------------------------------------
 
@@ -1168,7 +1066,7 @@ class StreamStore:
         position = bisect.bisect_right(stream.starts, offset) - 1
         if position < 0:
             return False
-        index = self._segment(stream, stream.starts[position])
+        index = self.segment(stream, stream.starts[position])
         return offset == index.start or offset in index.message_ends
 
     def _message_end_before(self, stream: _Stream, start: int, limit: int) -> int:
@@ -1194,7 +1092,7 @@ class StreamStore:
             else range(max(first, 0), len(stream.starts))
         )
         for position in order:
-            ends = self._segment(stream, stream.starts[position]).message_ends
+            ends = self.segment(stream, stream.starts[position]).message_ends
             candidates = [end for end in ends if start < end <= limit]
             if candidates:
                 return candidates[-1] if backward else candidates[0]
@@ -1212,7 +1110,7 @@ class StreamStore:
             self._refresh(stream)
         piece = max(bisect.bisect_right(stream.starts, start) - 1, 0)
         while start < end and piece < len(stream.starts):
-            index = self._segment(stream, stream.starts[piece])
+            index = self.segment(stream, stream.starts[piece])
             if index.start > start:
                 stream.indexed_at = 0.0  # re-list before the next request
                 raise StorageUnavailable(f"index of {stream.config.path} has a gap at {start}")
@@ -1268,7 +1166,7 @@ class StreamStore:
 
     def _retire(self, stream: _Stream) -> bool:
         """Delete, or soft-delete while forks still read the data; True if soft."""
-        if self._has_forks(stream):
+        if self.has_forks(stream):
             try:
                 self.objects.create(f"{stream.prefix}/gone", b"")
             except FileExistsError:
@@ -1278,7 +1176,8 @@ class StreamStore:
         self._erase(stream)
         return False
 
-    def _has_forks(self, stream: _Stream) -> bool:
+    def has_forks(self, stream: _Stream) -> bool:
+        """True while a live fork reads the stream; markers of deleted forks are removed."""
         for name in self.objects.list(f"{stream.prefix}/forks"):
             marker = f"{stream.prefix}/forks/{name}"
             try:
@@ -1313,16 +1212,8 @@ class StreamStore:
         if config.fork is not None and stream.source is not None:
             source = stream.source
             self.objects.delete_tree(f"{source.prefix}/forks/{stream_key(config.path)}")
-            if self.objects.exists(f"{source.prefix}/gone") and not self._has_forks(source):
+            if self.objects.exists(f"{source.prefix}/gone") and not self.has_forks(source):
                 self._erase(source)
-
-
-def _add_start(stream: _Stream, start: int) -> None:
-    """Index a segment once, whether our writer or a refresh saw it first."""
-    position = bisect.bisect_left(stream.starts, start)
-    if position == len(stream.starts) or stream.starts[position] != start:
-        stream.starts.insert(position, start)
-        stream.unpacked += 1
 
 
 def _info(stream: _Stream, state: StreamState) -> StreamInfo:

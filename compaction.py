@@ -1,0 +1,89 @@
+"""Compaction: runs of small segments merged into packs covering the same offsets.
+
+Group commit writes one segment per batch, so a stream fed by a slow producer holds
+one small object per append, and reading it back would cost one request per append.
+Once a stream has more than `compact_after` unpacked segments, a run of consecutive
+ones (at most `compact_max_segments`, never the last piece, which holds the stream's
+state) is copied into one pack named by the offsets it covers:
+
+    <root>/streams/<key>/<incarnation>/pack/<start>-<end>
+
+The pack is written create-only (two nodes packing the same run write the same
+bytes; one wins). The originals stay for `delete_grace` so that readers and writers
+holding an older index never miss them; a writer that still knew an old tail would
+otherwise find its segment name free again. Which piece serves which offsets when
+the index is listed is decided in `StreamStore._list_pieces`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import gevent
+
+from objectstore import StorageUnavailable
+from segments import CorruptSegment, encode_segment
+
+if TYPE_CHECKING:
+    from storage import StreamStore, _Stream
+
+# Housekeeping of the store's objects: its warnings carry the store's logger name.
+log = logging.getLogger("picomq.storage")
+
+
+def maybe_compact(store: StreamStore, stream: _Stream) -> None:
+    """Compact in the background once enough segments are unpacked, one job at a time."""
+    if stream.unpacked > store.settings.compact_after and not stream.housekeeping:
+        stream.housekeeping = True
+        gevent.spawn(_compact, store, stream)
+
+
+def _compact(store: StreamStore, stream: _Stream) -> None:
+    """Merge a run of small segments into one pack; storage errors only postpone it."""
+    try:
+        run = _unpacked_run(stream, store.settings.compact_max_segments)
+        if len(run) < 2:
+            return
+        headers = [store.read_segment(stream, start) for start in run]
+        payload = b"".join(
+            store.objects.read(stream.piece_key(index.start), index.payload_position)
+            for index, _ in headers
+        )
+        end, state = headers[-1][0].end, headers[-1][1]
+        appends = [end for index, _ in headers for end in index.append_ends]
+        messages = [end for index, _ in headers for end in index.message_ends]
+        pack = stream.pack_key(run[0], end)
+        try:
+            store.objects.create(pack, encode_segment(run[0], payload, appends, messages, state))
+        except FileExistsError:
+            pass
+        originals = [stream.segment_key(start) for start in run]
+        _adopt_pack(stream, run, pack)
+        store.delete_later(originals)
+    except (StorageUnavailable, FileNotFoundError, CorruptSegment) as error:
+        log.warning("compaction of %s postponed: %s", stream.config.path, error)
+    finally:
+        stream.housekeeping = False
+
+
+def _unpacked_run(stream: _Stream, max_segments: int) -> list[int]:
+    """Consecutive unpacked segments before the tail segment, oldest first."""
+    run: list[int] = []
+    for start in stream.starts[:-1]:
+        if start in stream.keys:
+            run = []
+            continue
+        run.append(start)
+        if len(run) == max_segments:
+            break
+    return run
+
+
+def _adopt_pack(stream: _Stream, run: list[int], pack: str) -> None:
+    """Swap the pack in by value: the index may have been re-listed meanwhile."""
+    replaced = set(run[1:])
+    stream.starts = [start for start in stream.starts if start not in replaced]
+    stream.add_start(run[0])
+    stream.keys[run[0]] = pack
+    stream.unpacked = len(stream.starts) - len(stream.keys)

@@ -1,0 +1,97 @@
+"""Retention: whole pieces dropped from the head of a stream that keeps data by age or size.
+
+Streams keep everything unless created with `retention_age` or `retention_bytes`
+(or the store's defaults for them). Offsets never change: trimming raises the
+stream's earliest offset, published as a create-only marker
+
+    <root>/streams/<key>/<incarnation>/trim/<offset>
+
+so every process answers 410 below it within `index_max_age`; the pieces are
+deleted `delete_grace` later. A piece goes only once the piece after it is older
+than twice `index_max_age`: no writer can then hold a tail so old that the trimmed
+name would look free. Forked streams are not trimmed: their forks read the data.
+The last piece, with the stream's state (closed flag, producers), always stays.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import gevent
+
+from objectstore import StorageUnavailable
+from segments import CorruptSegment
+
+if TYPE_CHECKING:
+    from storage import StreamStore, _Stream
+
+# Housekeeping of the store's objects: its warnings carry the store's logger name.
+log = logging.getLogger("picomq.storage")
+
+
+def schedule_trim(store: StreamStore, stream: _Stream) -> None:
+    """Check retention soon, once: after appends, on load, and when data comes of age.
+
+    Only streams with a retention setting and data past it get a timer, so idle
+    streams with nothing to trim cost nothing.
+    """
+    config = stream.config
+    if config.retention_age is None and config.retention_bytes is None:
+        return
+    if len(stream.starts) < 2 or stream.trim_timer is not None:
+        return
+    stream.trim_timer = gevent.spawn_later(store.settings.index_max_age / 10, _trim, store, stream)
+
+
+def _trim(store: StreamStore, stream: _Stream) -> None:
+    """Publish a new earliest offset, then delete the pieces below it after the grace."""
+    stream.trim_timer = None
+    if stream.housekeeping:  # compaction is rewriting the index: look again soon
+        schedule_trim(store, stream)
+        return
+    stream.housekeeping = True
+    try:
+        cut, wake_at = _trim_point(store, stream)
+        if cut > stream.earliest and not store.has_forks(stream):
+            try:
+                store.objects.create(stream.trim_key(cut), b"")
+            except FileExistsError:
+                pass
+            gone = [stream.piece_key(start) for start in stream.starts if start < cut]
+            stream.starts = [start for start in stream.starts if start >= cut]
+            stream.earliest = cut
+            store.delete_later(gone)
+        if wake_at is not None and stream.trim_timer is None:
+            delay = max(wake_at - time.time(), store.settings.index_max_age / 10)
+            stream.trim_timer = gevent.spawn_later(delay, _trim, store, stream)
+    except (StorageUnavailable, FileNotFoundError, CorruptSegment) as error:
+        log.warning("retention of %s postponed: %s", stream.config.path, error)
+    finally:
+        stream.housekeeping = False
+
+
+def _trim_point(store: StreamStore, stream: _Stream) -> tuple[int, float | None]:
+    """The first offset to keep, and when to look again (None: nothing will age out)."""
+    config, now = stream.config, time.time()
+    fence_age = 2 * store.settings.index_max_age
+    starts = list(stream.starts)
+    cut, wake_at = stream.earliest, None
+    for start, following in zip(starts, starts[1:], strict=False):
+        piece, after = store.segment(stream, start), store.segment(stream, following)
+        too_old = config.retention_age is not None and (
+            piece.written_at < now - config.retention_age
+        )
+        too_big = config.retention_bytes is not None and (
+            stream.state.tail - start > config.retention_bytes
+        )
+        if not (too_old or too_big):
+            if config.retention_age is not None:
+                wake_at = piece.written_at + config.retention_age
+            break
+        if after.written_at > now - fence_age:
+            wake_at = after.written_at + fence_age
+            break
+        cut = following
+    return cut, wake_at
