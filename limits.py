@@ -12,10 +12,13 @@ import re
 
 from flask import Response
 
-# A JSON string, matched possessively so a hostile body cannot make the regex backtrack.
-JSON_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"', re.DOTALL)
-BRACKETS = b"[]{}"
-NOT_BRACKETS = bytes(byte for byte in range(256) if byte not in BRACKETS)
+# Brackets and quotes are all the depth check needs of a JSON text; a quoted run left
+# after empty strings are dropped holds only brackets that were inside strings.
+STRUCTURE = b'[]{}"'
+NOT_STRUCTURE = bytes(byte for byte in range(256) if byte not in STRUCTURE)
+QUOTED_BRACKETS = re.compile(rb'"[^"]*+"')
+BRACES_AS_BRACKETS = bytes.maketrans(b"{}", b"[]")
+ESCAPED_BACKSLASH_OR_QUOTE = re.compile(rb'\\[\\"]')
 
 
 class LiveConnections:
@@ -49,16 +52,22 @@ class LiveConnections:
 def json_nests_deeper_than(body: bytes, limit: int) -> bool:
     """True if arrays and objects in `body` nest more than `limit` deep (the outer one is 1).
 
-    Works on the bytes, without parsing and in linear time: strings are dropped
-    (brackets inside them do not count), the remaining brackets must then match a
-    regular expression of `limit` nested possessive groups, which fails at the first
-    bracket too deep. Brackets that do not balance also count as too deep: such a body
-    is not JSON, and the caller answers 400 either way. About 15 ns per bracket.
+    Works on the bytes, without parsing and in linear time, with whole-buffer byte
+    operations only, as batches of 1,000 messages pass through here: about 0.13 ms per
+    100 KB, 0.45 ms when the strings hold escapes. Escaped backslashes and quotes are
+    dropped, then everything but brackets and quotes, then strings; the remaining
+    brackets must match a regular expression of `limit` nested possessive groups, which
+    fails at the first bracket too deep. Brackets that do not balance also count as too
+    deep: such a body is not JSON, and the caller answers 400 either way.
     """
     if body.count(b"[") + body.count(b"{") <= limit:
         return False  # the common case: too few brackets to nest that deep
-    brackets = JSON_STRING.sub(b"", body).translate(None, NOT_BRACKETS)
-    brackets = brackets.replace(b"{", b"[").replace(b"}", b"]")
+    if b"\\" in body:  # only inside strings; pairs read left to right, as a parser does
+        body = ESCAPED_BACKSLASH_OR_QUOTE.sub(b"", body)
+    skeleton = body.translate(None, NOT_STRUCTURE).replace(b'""', b"")
+    if b'"' in skeleton:  # removing a quote pair never moves a bracket across a string edge
+        skeleton = QUOTED_BRACKETS.sub(b"", skeleton)
+    brackets = skeleton.translate(BRACES_AS_BRACKETS)
     return balanced_within(limit).fullmatch(brackets) is None
 
 
