@@ -317,6 +317,7 @@ class _Stream:
     last_access: float = 0.0
     touched_at: float = 0.0
     checked_at: float = 0.0
+    refreshed_at: float = 0.0  # when the tail was last known to be the true one
     gone: bool = False
 
     @property
@@ -401,9 +402,13 @@ class StreamStore:
 
     # -- opening, caching, expiry -----------------------------------------------------
 
-    def _open(self, path: str, *, touch: bool = False) -> _Stream:
-        """The live handle of a stream, checked against storage (the only truth)."""
-        stream = self._checked_handle(path)
+    def _open(self, path: str, *, touch: bool = False, max_age: float = 0.0) -> _Stream:
+        """The live handle of a stream, checked against storage (the only truth).
+
+        `max_age` lets a caller accept a handle checked that long ago, when it would
+        not learn of other processes' changes any sooner by checking now.
+        """
+        stream = self._checked_handle(path, max_age)
         if stream.gone:
             raise StreamGone(f"stream {path} was deleted")
         if self._expired(stream):
@@ -414,7 +419,7 @@ class StreamStore:
             self._touch(stream)
         return self._fresh(stream)
 
-    def _checked_handle(self, path: str) -> _Stream:
+    def _checked_handle(self, path: str, max_age: float = 0.0) -> _Stream:
         """The cached handle, re-validated against storage once per `recheck_interval`.
 
         On local disk the interval is 0 (a stat is cheap); on object stores a delete
@@ -422,7 +427,8 @@ class StreamStore:
         """
         stream = self._streams.get(path)
         now = time.monotonic()
-        if stream is not None and now - stream.checked_at < self.settings.recheck_interval:
+        max_age = max(max_age, self.settings.recheck_interval)
+        if stream is not None and now - stream.checked_at < max_age:
             self._streams.move_to_end(path)
             return stream
         if stream is not None:
@@ -656,7 +662,7 @@ class StreamStore:
 
     def _refresh(self, stream: _Stream) -> bool:
         """Pick up segments other processes wrote after our tail; True if any."""
-        found = False
+        found, started = False, time.monotonic()
         while not stream.state.closed:
             try:
                 index, state = self.read_segment(stream, stream.state.tail, whole=True)
@@ -670,6 +676,7 @@ class StreamStore:
             found = True
             if index.end == index.start:
                 break
+        stream.refreshed_at = started
         if found:
             stream.notify()
         return found
@@ -884,6 +891,7 @@ class StreamStore:
                 continue
             except FileNotFoundError as error:  # the stream's directory was deleted under us
                 raise StreamNotFound(f"stream {stream.config.path} was deleted") from error
+            stream.refreshed_at = started  # our create at the tail proves it was the true one
             stream.notify()
             self._announce(stream.info())
             for observe in self.commit_observers:
@@ -1021,11 +1029,18 @@ class StreamStore:
         return ReadResult(stream.info(), start, end, chunks, current and end == tail)
 
     def wait(self, path: str, offset: int, timeout: float) -> StreamInfo:
-        """Return once the stream has data past `offset`, is closed, or `timeout` passed."""
-        stream = self._open(path, touch=True)
+        """Return once the stream has data past `offset`, is closed, or `timeout` passed.
+
+        A waiter learns of other processes' appends by polling every `poll_interval`,
+        so a handle checked, or a tail confirmed, within that interval is taken as it
+        is: an SSE subscriber back for the next event costs no storage request, which
+        is what lets one worker follow a stream with thousands of subscribers.
+        """
+        poll_interval = self.settings.poll_interval
+        stream = self._open(path, touch=True, max_age=poll_interval)
         if offset > stream.state.tail:
             self._refresh(stream)  # must know the true tail to call the offset invalid
-        elif offset == stream.state.tail:
+        elif offset == stream.state.tail and not self._tail_confirmed(stream, poll_interval):
             self._refresh_if_reachable(stream)
         if offset > stream.state.tail:
             raise InvalidRequest("offset is beyond the end of the stream")
@@ -1045,6 +1060,10 @@ class StreamStore:
         finally:
             stream.waiters -= 1
         return stream.info()
+
+    @staticmethod
+    def _tail_confirmed(stream: _Stream, within: float) -> bool:
+        return time.monotonic() - stream.refreshed_at < within
 
     def _poll(self, stream: _Stream) -> None:
         """While readers wait, look for segments written by other processes."""

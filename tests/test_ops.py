@@ -257,6 +257,62 @@ def test_metrics_count_reads_live_connections_and_errors(
     assert scrape(server)['picomq_reads_total{mode="sse"}'] == 1
 
 
+SSE_SUBSCRIBERS = 40
+SSE_EVENTS = 10
+
+
+def follow_sse(url: str, events: int, seen: list[int]) -> None:
+    """Read an SSE response until `events` data events arrived; count them into `seen`."""
+    params = {"offset": "-1", "live": "sse"}
+    with requests.get(url, params=params, stream=True, timeout=DEADLINE_SECONDS) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line == b"event: data":
+                seen.append(1)
+                if len(seen) == events:
+                    return
+
+
+def storage_reads(server: Server) -> float:
+    samples = scrape(server)
+    return sum(
+        samples.get(f'picomq_storage_requests_total{{operation="{operation}"}}', 0.0)
+        for operation in ("get", "head", "list")
+    )
+
+
+def test_sse_subscribers_cost_no_storage_request_per_event(
+    start_server: StartServer, unique_stream: str
+) -> None:
+    """Thousands of subscribers must not mean thousands of storage checks per message:
+    a subscriber back for the next event trusts a tail confirmed moments ago."""
+    server = start_server(long_poll_timeout=2)  # SSE waits end soon after the test
+    create(server, unique_stream)
+    url = server.stream_url(unique_stream)
+    seen: list[list[int]] = [[] for _ in range(SSE_SUBSCRIBERS)]
+    readers = [
+        threading.Thread(target=follow_sse, args=(url, SSE_EVENTS, counts), daemon=True)
+        for counts in seen
+    ]
+    for reader in readers:
+        reader.start()
+    wait_for(
+        lambda: scrape(server).get('picomq_live_connections{mode="sse"}') == SSE_SUBSCRIBERS,
+        "every subscriber to connect",
+    )
+    before = storage_reads(server)
+    for number in range(SSE_EVENTS):
+        response = requests.post(url, data=f'{{"n":{number}}}', headers={"Content-Type": JSON})
+        assert response.status_code == 204, response.text
+        wait_for(lambda n=number: all(len(c) > n for c in seen), f"event {number}")
+    for reader in readers:
+        reader.join(DEADLINE_SECONDS)
+    deliveries = SSE_SUBSCRIBERS * SSE_EVENTS
+    storage_requests = storage_reads(server) - before
+    # Polling for other processes' appends costs a read per 50 ms, whatever the audience.
+    assert storage_requests < deliveries / 4, (storage_requests, deliveries)
+
+
 def test_a_killed_worker_leaves_no_live_connections_behind(
     start_server: StartServer, unique_stream: str
 ) -> None:
