@@ -1,4 +1,4 @@
-"""gunicorn settings for PicoMQ: gevent workers, and timeouts that suit live reads.
+"""gunicorn settings for PicoMQ: gevent workers (worker.py), and timeouts that suit live reads.
 
 A long-poll or SSE response holds its request open for up to PICOMQ_LONG_POLL_TIMEOUT
 or PICOMQ_SSE_MAX_DURATION seconds; gevent workers serve thousands of such requests
@@ -24,7 +24,7 @@ except SettingsError as error:
 
 bind = settings.bind
 workers = settings.workers
-worker_class = "gevent"
+worker_class = "worker.EagerSendWorker"  # gevent's worker, one call per small send
 # Above PICOMQ_MAX_LIVE_CONNECTIONS, so producers still get in when every live slot is
 # taken; the process needs as many file descriptors (LimitNOFILE in deploy/).
 worker_connections = settings.max_live_connections + 5_000

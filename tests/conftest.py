@@ -1,4 +1,4 @@
-"""Real servers for the tests: PicoMQ under `gunicorn -k gevent`, and `moto_server` for S3.
+"""Real servers for the tests: PicoMQ under gunicorn (gunicorn.conf.py), `moto_server` for S3.
 
 Each server runs in its own process group on a free 127.0.0.1 port, with its output in a
 log file. Readiness is polled with a deadline; a server that exits or never answers fails
@@ -118,8 +118,6 @@ def make_server(
         str(find_executable("gunicorn")),
         "-c",
         "gunicorn.conf.py",
-        "-k",
-        "gevent",
         "--bind",
         f"127.0.0.1:{port}",
         "--no-control-socket",
