@@ -60,7 +60,7 @@ DEFAULT_CONTENT_TYPE = "application/octet-stream"
 CURSOR_EPOCH = datetime.fromisoformat("2024-10-09T00:00:00+00:00").timestamp()
 CURSOR_INTERVAL_SECONDS = 20
 RETRY_AFTER_SECONDS = "1"
-SSE_CACHE_BYTES = 32 * 1024 * 1024  # formatted SSE data events shared by subscribers
+SSE_CACHE_BYTES = 32 * 1024 * 1024  # formatted SSE event pairs shared by subscribers
 
 NEXT_OFFSET = "Stream-Next-Offset"
 UP_TO_DATE = "Stream-Up-To-Date"
@@ -283,11 +283,21 @@ def parse_read_offset() -> str | None:
 
 def next_cursor(client_cursor: str | None) -> str:
     """The protocol's cache-collapsing cursor: an interval number that never repeats back."""
-    interval = int((time.time() - CURSOR_EPOCH) // CURSOR_INTERVAL_SECONDS)
+    interval = current_interval()
     if client_cursor is not None and client_cursor.isdigit() and int(client_cursor) >= interval:
         jitter_seconds = random.randint(1, 3600)
         interval = int(client_cursor) + max(1, jitter_seconds // CURSOR_INTERVAL_SECONDS)
     return str(interval)
+
+
+def current_interval() -> int:
+    return int((time.time() - CURSOR_EPOCH) // CURSOR_INTERVAL_SECONDS)
+
+
+def advanced_cursor(cursor: str) -> str:
+    """An SSE connection's cursor, moved on only once the clock's interval passes it."""
+    interval = current_interval()
+    return cursor if int(cursor) >= interval else str(interval)
 
 
 def etag_of(result: ReadResult) -> str:
@@ -627,41 +637,43 @@ class StreamViews:
         events = self.sse_events(path, offset, cursor, SSE_DATA_ENCODING in headers)
         return Response(events, 200, headers)
 
-    def data_event(
-        self, path: str, info: StreamInfo, offset: int, base64_data: bool
+    def sse_event(
+        self, path: str, info: StreamInfo, offset: int, cursor: str, base64_data: bool
     ) -> tuple[int, bytes]:
-        """The data event from `offset` on, read and formatted once for all subscribers.
+        """The data event from `offset` (if any) and its control event, built once.
 
-        Stream bytes never change, so an event built for one reader at an offset is
-        right for every reader at that offset (it may end before the newest append;
-        the reader's next pass continues from its end).
+        Stream bytes never change, so what one subscriber is sent for a place in the
+        stream (offset, tail, closed, cursor) is right for every subscriber there: a
+        message to 10,000 subscribers is read and formatted once, then only written.
+        The data may end before the tail (the read cap); the next pass goes on from it.
         """
-        key = f"{info.incarnation}:{offset}:{int(base64_data)}"
+        key = f"{info.incarnation}:{offset}:{info.tail}:{info.closed:d}:{cursor}:{base64_data:d}"
         cached = self.sse_cache.get(key)
         if cached is not None:
             return int.from_bytes(cached[:8], "big"), cached[8:]
-        result = self.store.read(path, offset)
-        event = format_data_event(b"".join(result.chunks), base64_data)
-        self.sse_cache.put(key, result.end.to_bytes(8, "big") + event)
-        return result.end, event
+        end, data_event = offset, b""
+        if info.tail > offset:
+            result = self.store.read(path, offset)
+            end, data_event = result.end, format_data_event(b"".join(result.chunks), base64_data)
+        # One write per pair: a reader never sees a data event without its control.
+        event = data_event + format_control_event(info, end, cursor)
+        self.sse_cache.put(key, end.to_bytes(8, "big") + event)
+        return end, event
 
     def sse_events(
-        self, path: str, offset: int, cursor: str | None, base64_data: bool
+        self, path: str, offset: int, client_cursor: str | None, base64_data: bool
     ) -> Iterator[bytes]:
         """Data events each followed by a control event, until closed or the deadline."""
         deadline = time.monotonic() + self.settings.sse_max_duration
         timeout = 0.0  # the first pass answers at once: history, or where the tail is
+        cursor = next_cursor(client_cursor)
         try:
             while True:
                 info = self.store.wait(path, offset, timeout)
                 timeout = min(self.settings.long_poll_timeout, deadline - time.monotonic())
-                data_event = b""
-                if info.tail > offset:
-                    end, data_event = self.data_event(path, info, offset, base64_data)
-                    offset = end
-                cursor = next_cursor(cursor)
-                # One write per pair: a reader never sees a data event without its control.
-                yield data_event + format_control_event(info, offset, cursor)
+                cursor = advanced_cursor(cursor)
+                offset, event = self.sse_event(path, info, offset, cursor, base64_data)
+                yield event
                 if (info.closed and offset == info.tail) or time.monotonic() >= deadline:
                     return
         except (StoreError, StorageUnavailable) as error:
