@@ -7,8 +7,9 @@ low; profile to find hot spots, measure without `--profile`.
 The collapsed stacks (py-spy's raw format, one "frame;frame;… count" line per stack) are
 kept for flame graphs (speedscope.app or flamegraph.pl read them); the summary lists the
 functions with the most samples on top of the stack (self) and, among PicoMQ's own
-modules, the most samples anywhere in the stack (inclusive). py-spy leaves out samples
-where the worker sits idle in its event loop, so the samples are CPU time.
+modules, the most samples anywhere in the stack (inclusive). Only the thread holding
+the GIL is sampled (`--gil`): the threadpool's threads blocked in fsync or in S3 calls
+would otherwise count as busy, and the samples are meant to be the worker's CPU time.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def profiled(server: Server, output: Path, summary: list[str]) -> Iterator[None]
     worker = server.processes()[-1]  # gunicorn's master, then its one worker
     output.parent.mkdir(parents=True, exist_ok=True)
     recorder = subprocess.Popen(
-        [str(py_spy), "record", "--pid", str(worker), "--format", "raw", "--output", str(output)],
+        [str(py_spy), "record", "--gil", "--pid", str(worker), "--format", "raw"]
+        + ["--output", str(output)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
