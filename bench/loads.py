@@ -234,6 +234,18 @@ def post_load(
 ) -> Result:
     paths = [f"{STREAM_PREFIX}s{number}" for number in range(streams)]
     asyncio.run(create_streams(target.port, paths))
+    return wrk_load(target, options, body, streams, connections, messages_per_post)
+
+
+def wrk_load(
+    target: Target,
+    options: Options,
+    body: bytes,
+    streams: int,
+    connections: int,
+    messages_per_post: int,
+) -> Result:
+    """POST `body` with wrk to streams that exist (or to any app that takes POSTs)."""
     result = Result()
     with cpu_use(target, result):
         summary = run_wrk(target, options, body, streams, connections)

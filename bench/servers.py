@@ -99,6 +99,18 @@ def pinned(core: int | None, command: list[str]) -> list[str]:
 
 def picomq(work_dir: Path, core: int | None, extra_env: dict[str, str] | None = None) -> Server:
     """PicoMQ as deployed: gunicorn.conf.py, one gevent worker, data in work_dir/data."""
+    return served_as_picomq("picomq", "wsgi:app", work_dir, core, extra_env)
+
+
+def served_as_picomq(
+    name: str, app: str, work_dir: Path, core: int | None, extra_env: dict[str, str] | None = None
+) -> Server:
+    """The WSGI `app` ("module:variable") served exactly as PicoMQ is.
+
+    gunicorn.conf.py (its worker class and settings), one worker, PICOMQ_* settings
+    from `extra_env` only, pinned to `core`, data in work_dir/data. bench/ceiling.py
+    serves a trivial Flask app this way, to measure the stack without PicoMQ.
+    """
     port = free_port()
     data_dir = work_dir / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -111,12 +123,12 @@ def picomq(work_dir: Path, core: int | None, extra_env: dict[str, str] | None = 
         "gunicorn.conf.py",
         "--bind",
         f"{HOST}:{port}",
-        "wsgi:app",
+        app,
     ]
     # SIGQUIT is gunicorn's quick shutdown: a graceful one would wait for live reads the
     # bench has already abandoned (up to the long-poll timeout). Its data is thrown away.
     return Server(
-        name="picomq",
+        name=name,
         command=pinned(core, command),
         cwd=REPO_DIR,
         env=env,

@@ -1,0 +1,339 @@
+"""Measure the two floors under PicoMQ's single-message append rate on this machine.
+
+1. The stack. A trivial Flask app (bench/trivial_app.py: read the body, answer 204),
+   served exactly as PicoMQ is (`gunicorn -c gunicorn.conf.py`, one EagerSendWorker,
+   pinned to the server core), takes compare.py's appends-1 load: wrk, 64 connections,
+   one 100-byte JSON message per POST, on the client core. Then PicoMQ itself, one
+   stream, takes the same load. No Flask handler served this way answers faster than
+   the trivial one.
+2. Durability. One durable create-only write as PicoMQ's local store makes it
+   (`objectstore.ObjectStore._create_local`: temporary file, fsync, link, directory
+   fsync) of a 200-byte object: one at a time, then the same steps with each fsync
+   timed alone, then from 64 threads (PicoMQ's thread pool) over 1,000 directories.
+   These run on the server core, where PicoMQ's worker makes them.
+
+    .venv/bin/python bench/ceiling.py                  # ≈ 25 s; under a minute on a slow disk
+    .venv/bin/python bench/ceiling.py --duration 5
+
+Servers listen on 127.0.0.1 only and are stopped by PID. Everything is written in a
+temporary directory under bench/results/ (the repository's filesystem, which is what
+PicoMQ's data would be on here), removed at the end; the figures are also saved as
+bench/results/ceiling-*.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import resource
+import shlex
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import loads
+import servers
+from compare import MAX_DURATION_SECONDS, RESULTS_DIR, describe_machine
+from loads import Options, Result, Target, percentile
+
+sys.path.insert(0, str(servers.REPO_DIR))
+from objectstore import THREADPOOL_SIZE, ObjectStore, _fsync_directory  # noqa: E402
+
+OBJECT = b"x" * 200
+SEQUENTIAL_DEADLINE_SECONDS = 10.0  # per sequential phase: a slow disk stops it early
+JOIN_GRACE_SECONDS = 10.0  # parallel phase: for the creates under way at its end
+PARALLEL_DIRECTORIES = 1000
+
+Figures = dict[str, float]
+
+
+def wrk_trivial(target: Target, options: Options) -> Result:
+    """compare.py's appends-1 load, less the stream creation the trivial app has no use for."""
+    return loads.wrk_load(target, options, loads.message(), 1, options.connections, 1)
+
+
+STACKS: tuple[tuple[str, str, Callable[[Target, Options], Result]], ...] = (
+    ("trivial", "bench.trivial_app:app", wrk_trivial),
+    ("picomq", "wsgi:app", loads.appends_one_stream),
+)
+
+
+def parse_arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--duration",
+        type=int,
+        default=8,
+        help=f"seconds of each wrk load, 1–{MAX_DURATION_SECONDS} (default 8)",
+    )
+    parser.add_argument("--connections", type=int, default=64, help="wrk connections")
+    parser.add_argument("--creates", type=int, default=500, help="sequential durable creates")
+    parser.add_argument(
+        "--parallel-seconds", type=float, default=3.0, help="seconds of parallel creates"
+    )
+    parser.add_argument("--server-core", type=int, default=0, help="core the servers run on")
+    parser.add_argument("--client-core", type=int, default=1, help="core wrk runs on")
+    arguments = parser.parse_args()
+    if not 1 <= arguments.duration <= MAX_DURATION_SECONDS:
+        parser.error(f"--duration must be 1–{MAX_DURATION_SECONDS} seconds")
+    if not 0 < arguments.parallel_seconds <= MAX_DURATION_SECONDS:
+        parser.error(f"--parallel-seconds must be above 0 and at most {MAX_DURATION_SECONDS}")
+    return arguments
+
+
+def main() -> None:
+    arguments = parse_arguments()
+    options = Options(
+        duration=arguments.duration,
+        connections=arguments.connections,
+        client_core=arguments.client_core,
+    )
+    machine = describe_machine(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+    command = shlex.join([".venv/bin/python", "bench/ceiling.py", *sys.argv[1:]])
+    RESULTS_DIR.mkdir(exist_ok=True)
+    work_root = Path(tempfile.mkdtemp(prefix="ceiling-", dir=RESULTS_DIR))
+    print(
+        f"{machine['date']} · {machine['machine']} · PicoMQ {machine['commit']}\n"
+        f"{command}\nfiles on {describe_filesystem(work_root)}\n",
+        flush=True,
+    )
+    figures: dict[str, Figures] = {}
+    notes: list[str] = []
+    try:
+        os.sched_setaffinity(0, {arguments.client_core})
+        for name, app, load in STACKS:
+            figures[name] = measure_stack(name, app, load, work_root, options, arguments, notes)
+        # PicoMQ's worker, and the thread pool it fsyncs from, run on the server core.
+        os.sched_setaffinity(0, {arguments.server_core})
+        figures.update(measure_durability(work_root, arguments, notes))
+    finally:
+        shutil.rmtree(work_root, ignore_errors=True)
+    print(f"\n{format_table(figures, arguments)}")
+    if notes:
+        print("\nNotes:\n" + "\n".join(f"- {note}" for note in notes))
+    path = RESULTS_DIR / f"ceiling-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    record = {**machine, "command": command, "figures": figures, "notes": notes}
+    path.write_text(json.dumps(record, indent=1))
+    print(f"raw figures: {path.relative_to(servers.REPO_DIR)}")
+
+
+def measure_stack(
+    name: str,
+    app: str,
+    load: Callable[[Target, Options], Result],
+    work_root: Path,
+    options: Options,
+    arguments: argparse.Namespace,
+    notes: list[str],
+) -> Figures:
+    """Start `app` as PicoMQ is served, run the wrk load, stop it; {} if anything failed."""
+    work_dir = work_root / name
+    work_dir.mkdir()
+    server = servers.served_as_picomq(name, app, work_dir, arguments.server_core)
+    try:
+        result = load(Target(server.start(), work_dir), options)
+    except Exception as error:  # noqa: BLE001 - the other measurements still run
+        notes.append(f"{name}: {''.join(traceback.format_exception_only(error)).strip()}")
+        if not isinstance(error, servers.ProcessFailed):  # which carries the output already
+            notes.append(server.output_tail())
+        return {}
+    finally:
+        server.stop()
+    notes += [f"{name}: {note}" for note in result.notes]
+    print(
+        f"{name:8} {result.figures['msgs_per_s']:,.0f} requests/s · "
+        f"p50 {result.figures['p50_ms']:.2f} ms · p99 {result.figures['p99_ms']:.2f} ms · "
+        f"server CPU {result.figures['server_cpu_pct']:.0f} %",
+        flush=True,
+    )
+    return result.figures
+
+
+def measure_durability(
+    work_root: Path, arguments: argparse.Namespace, notes: list[str]
+) -> dict[str, Figures]:
+    creates = time_sequential_creates(work_root / "sequential", arguments.creates)
+    file_fsyncs, directory_fsyncs = time_fsyncs(work_root / "fsyncs", arguments.creates)
+    parallel, elapsed = time_parallel_creates(
+        work_root / "parallel", THREADPOOL_SIZE, arguments.parallel_seconds, notes
+    )
+    for what, done in (("sequential creates", creates), ("fsyncs alone", file_fsyncs)):
+        if len(done) < arguments.creates:
+            notes.append(f"{what}: {len(done)} of {arguments.creates} within the deadline")
+    figures = {
+        "create": latency_figures(creates),
+        "file_fsync": latency_figures(file_fsyncs),
+        "directory_fsync": latency_figures(directory_fsyncs),
+        "parallel": latency_figures(parallel),
+    }
+    figures["create"]["per_s"] = len(creates) / sum(creates) if creates else 0.0
+    figures["parallel"]["per_s"] = len(parallel) / elapsed
+    print(
+        f"durable create {figures['create']['p50_ms']:.2f} ms p50 one at a time · "
+        f"{figures['parallel']['per_s']:,.0f}/s from {THREADPOOL_SIZE} threads",
+        flush=True,
+    )
+    return figures
+
+
+def time_sequential_creates(directory: Path, count: int) -> list[float]:
+    """Seconds each durable create took, one after the other, in one existing directory."""
+    directory.mkdir()
+    latencies: list[float] = []
+    deadline = time.monotonic() + SEQUENTIAL_DEADLINE_SECONDS
+    for number in range(count):
+        if time.monotonic() > deadline:
+            break
+        started = time.perf_counter()
+        ObjectStore._create_local(f"{directory}/{number:08d}", OBJECT)
+        latencies.append(time.perf_counter() - started)
+    return latencies
+
+
+def time_fsyncs(directory: Path, count: int) -> tuple[list[float], list[float]]:
+    """The two fsyncs of a durable create timed apart: the new file's, then its directory's.
+
+    The steps of ObjectStore._create_local, in its order, with a clock around each fsync.
+    """
+    directory.mkdir()
+    files: list[float] = []
+    directories: list[float] = []
+    deadline = time.monotonic() + SEQUENTIAL_DEADLINE_SECONDS
+    for number in range(count):
+        if time.monotonic() > deadline:
+            break
+        temporary = f"{directory}/.tmp-{number}"
+        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.write(descriptor, OBJECT)
+            started = time.perf_counter()
+            os.fsync(descriptor)
+            files.append(time.perf_counter() - started)
+        finally:
+            os.close(descriptor)
+        os.link(temporary, f"{directory}/{number:08d}")
+        os.unlink(temporary)
+        started = time.perf_counter()
+        _fsync_directory(str(directory))
+        directories.append(time.perf_counter() - started)
+    return files, directories
+
+
+def time_parallel_creates(
+    root: Path, threads: int, seconds: float, notes: list[str]
+) -> tuple[list[float], float]:
+    """Durable creates from `threads` threads for `seconds`, spread round-robin over
+    PARALLEL_DIRECTORIES existing directories (as appends to that many streams would be).
+
+    Returns each create's seconds and the time until the last thread finished.
+    """
+    directories = [root / f"d{number:04d}" for number in range(PARALLEL_DIRECTORIES)]
+    for directory in directories:
+        directory.mkdir(parents=True)
+    turns = itertools.count()  # next() on it is atomic under the GIL
+    latencies: list[float] = []
+    started = time.monotonic()
+    deadline = started + seconds
+
+    def create() -> None:
+        while time.monotonic() < deadline:
+            number = next(turns)
+            path = f"{directories[number % len(directories)]}/{number:08d}"
+            began = time.perf_counter()
+            try:
+                ObjectStore._create_local(path, OBJECT)
+            except OSError as error:
+                notes.append(f"parallel create failed: {error!r}")
+                return
+            latencies.append(time.perf_counter() - began)
+
+    workers = [threading.Thread(target=create, daemon=True) for _ in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(max(0.0, deadline + JOIN_GRACE_SECONDS - time.monotonic()))
+    stuck = sum(worker.is_alive() for worker in workers)
+    if stuck:
+        notes.append(f"{stuck} threads still in a create {JOIN_GRACE_SECONDS:.0f} s after the end")
+    return list(latencies), time.monotonic() - started
+
+
+def latency_figures(latencies: list[float]) -> Figures:
+    return {
+        "count": len(latencies),
+        "p50_ms": 1000 * percentile(latencies, 0.50),
+        "p99_ms": 1000 * percentile(latencies, 0.99),
+    }
+
+
+def describe_filesystem(path: Path) -> str:
+    """The mount holding `path`, from /proc/self/mounts: device, type, mount point."""
+    found = ("?", "?", "")
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        device, mount_point, kind = line.split()[:3]
+        inside = path == Path(mount_point) or Path(mount_point) in path.parents
+        if inside and len(mount_point) > len(found[2]):
+            found = (device, kind, mount_point)
+    return f"{found[0]} ({found[1]}, mounted on {found[2]})"
+
+
+def format_table(figures: dict[str, Figures], arguments: argparse.Namespace) -> str:
+    load = f"{arguments.connections} connections, 100-byte JSON POSTs, {arguments.duration} s"
+    served = (
+        ("p50_ms", "p50 ms", "{:,.2f}"),
+        ("p99_ms", "p99 ms", "{:,.2f}"),
+        ("errors_pct", "errors %", "{:.1f}"),
+        ("server_cpu_pct", "server CPU % of a core", "{:.0f}"),
+        ("client_cpu_pct", "client CPU % of a core", "{:.0f}"),
+    )
+    latency = (("p50_ms", "p50 ms", "{:,.2f}"), ("p99_ms", "p99 ms", "{:,.2f}"))
+    one_at_a_time = f"{len(OBJECT)}-byte objects, {arguments.creates} one at a time"
+    sections = (
+        (
+            f"(1) trivial Flask app served as PicoMQ is, {load}",
+            "trivial",
+            (("msgs_per_s", "requests/s (2xx)", "{:,.0f}"), *served),
+        ),
+        (
+            f"(1) PicoMQ, 1 stream, {load}",
+            "picomq",
+            (("msgs_per_s", "messages/s (2xx)", "{:,.0f}"), *served),
+        ),
+        (
+            f"(2) durable create (`_create_local`), {one_at_a_time}",
+            "create",
+            (*latency, ("per_s", "creates/s (1 ÷ mean)", "{:,.0f}")),
+        ),
+        (f"(2) its file fsync alone, {one_at_a_time}", "file_fsync", latency),
+        (f"(2) its directory fsync alone, {one_at_a_time}", "directory_fsync", latency),
+        (
+            f"(2) durable creates from {THREADPOOL_SIZE} threads over "
+            f"{PARALLEL_DIRECTORIES:,} directories, {arguments.parallel_seconds:g} s",
+            "parallel",
+            (("per_s", "creates/s", "{:,.0f}"), *latency),
+        ),
+    )
+    lines = ["| measure | figure | value |", "|---|---|---:|"]
+    for title, key, shown in sections:
+        for row, (figure, label, style) in enumerate(shown):
+            value = figures.get(key, {}).get(figure)
+            cell = "—" if value is None else style.format(value)
+            lines.append(f"| {title if row == 0 else ''} | {label} | {cell} |")
+    trivial, picomq = figures.get("trivial", {}), figures.get("picomq", {})
+    if trivial.get("msgs_per_s") and "msgs_per_s" in picomq:
+        ratio = picomq["msgs_per_s"] / trivial["msgs_per_s"]
+        lines.append(f"| (1) PicoMQ ÷ trivial app | requests/s | {ratio:.2f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
