@@ -5,7 +5,9 @@
    pinned to the server core), takes compare.py's appends-1 load: wrk, 64 connections,
    one 100-byte JSON message per POST, on the client core. Then PicoMQ itself, one
    stream, takes the same load. No Flask handler served this way answers faster than
-   the trivial one.
+   the trivial one. The same pair then takes compare.py's batch load (JSON arrays of
+   1,000 messages, 8 connections), and orjson.loads of that body is timed alone: the
+   least a server that validates JSON pays per byte.
 2. Durability. One durable create-only write as PicoMQ's local store makes it
    (`objectstore.ObjectStore._create_local`: temporary file, fsync, link, directory
    fsync) of a 200-byte object: one at a time, then the same steps with each fsync
@@ -39,6 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import loads
+import orjson
 import servers
 from compare import MAX_DURATION_SECONDS, RESULTS_DIR, describe_machine
 from loads import Options, Result, Target, percentile
@@ -59,10 +62,19 @@ def wrk_trivial(target: Target, options: Options) -> Result:
     return loads.wrk_load(target, options, loads.message(), 1, options.connections, 1)
 
 
+def wrk_trivial_batch(target: Target, options: Options) -> Result:
+    """compare.py's batch load (JSON arrays of 1,000 messages), to the trivial app."""
+    body = loads.batch(loads.BATCH_MESSAGES)
+    return loads.wrk_load(target, options, body, 1, options.batch_connections, loads.BATCH_MESSAGES)
+
+
 STACKS: tuple[tuple[str, str, Callable[[Target, Options], Result]], ...] = (
     ("trivial", "bench.trivial_app:app", wrk_trivial),
     ("picomq", "wsgi:app", loads.appends_one_stream),
+    ("trivial_batch", "bench.trivial_app:app", wrk_trivial_batch),
+    ("picomq_batch", "wsgi:app", loads.batched_appends),
 )
+JSON_PARSES = 200
 
 
 def parse_arguments() -> argparse.Namespace:
@@ -115,6 +127,7 @@ def main() -> None:
         # PicoMQ's worker, and the thread pool it fsyncs from, run on the server core.
         os.sched_setaffinity(0, {arguments.server_core})
         figures.update(measure_durability(work_root, arguments, notes))
+        figures["json_parse"] = time_json_parse(JSON_PARSES)
     finally:
         shutil.rmtree(work_root, ignore_errors=True)
     print(f"\n{format_table(figures, arguments)}")
@@ -150,7 +163,8 @@ def measure_stack(
         server.stop()
     notes += [f"{name}: {note}" for note in result.notes]
     print(
-        f"{name:8} {result.figures['msgs_per_s']:,.0f} requests/s · "
+        f"{name:13} {result.figures['msgs_per_s']:,.0f} messages/s "
+        f"({result.figures['mb_per_s']:.1f} MB/s) · "
         f"p50 {result.figures['p50_ms']:.2f} ms · p99 {result.figures['p99_ms']:.2f} ms · "
         f"server CPU {result.figures['server_cpu_pct']:.0f} %",
         flush=True,
@@ -182,6 +196,19 @@ def measure_durability(
         f"{figures['parallel']['per_s']:,.0f}/s from {THREADPOOL_SIZE} threads",
         flush=True,
     )
+    return figures
+
+
+def time_json_parse(count: int) -> Figures:
+    """orjson.loads of the batch load's body: the least any server checking JSON pays."""
+    body = loads.batch(loads.BATCH_MESSAGES)
+    latencies = []
+    for _ in range(count):
+        started = time.perf_counter()
+        orjson.loads(body)
+        latencies.append(time.perf_counter() - started)
+    figures = latency_figures(latencies)
+    figures["mb_per_s"] = len(body) / percentile(latencies, 0.5) / 1e6
     return figures
 
 
@@ -297,6 +324,11 @@ def format_table(figures: dict[str, Figures], arguments: argparse.Namespace) -> 
     )
     latency = (("p50_ms", "p50 ms", "{:,.2f}"), ("p99_ms", "p99 ms", "{:,.2f}"))
     one_at_a_time = f"{len(OBJECT)}-byte objects, {arguments.creates} one at a time"
+    batch_kb = len(loads.batch(loads.BATCH_MESSAGES)) // 1000
+    batched = (
+        f"{loads.BATCH_MESSAGES:,}-message JSON arrays (≈{batch_kb} KB) per POST, "
+        f"{Options.batch_connections} connections"
+    )
     sections = (
         (
             f"(1) trivial Flask app served as PicoMQ is, {load}",
@@ -307,6 +339,21 @@ def format_table(figures: dict[str, Figures], arguments: argparse.Namespace) -> 
             f"(1) PicoMQ, 1 stream, {load}",
             "picomq",
             (("msgs_per_s", "messages/s (2xx)", "{:,.0f}"), *served),
+        ),
+        (
+            f"(1) trivial Flask app, {batched}",
+            "trivial_batch",
+            (("mb_per_s", "MB/s of bodies (2xx)", "{:,.1f}"), *served),
+        ),
+        (
+            f"(1) PicoMQ, 1 stream, {batched}",
+            "picomq_batch",
+            (("mb_per_s", "MB/s of bodies (2xx)", "{:,.1f}"), *served),
+        ),
+        (
+            f"(1) orjson.loads of one such body, {JSON_PARSES} times, in this process",
+            "json_parse",
+            (*latency, ("mb_per_s", "MB/s (1 ÷ p50)", "{:,.1f}")),
         ),
         (
             f"(2) durable create (`_create_local`), {one_at_a_time}",
