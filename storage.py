@@ -318,6 +318,7 @@ class _Stream:
     touched_at: float = 0.0
     checked_at: float = 0.0
     refreshed_at: float = 0.0  # when the tail was last known to be the true one
+    last_info: StreamInfo | None = None
     gone: bool = False
 
     @property
@@ -349,19 +350,29 @@ class _Stream:
             self.unpacked += 1
 
     def info(self) -> StreamInfo:
+        """Built once per change: every live reader of the stream asks after every event."""
+        info, state = self.last_info, self.state
+        if (
+            info is not None
+            and info.tail == state.tail
+            and info.closed == state.closed
+            and info.earliest == self.earliest
+        ):
+            return info
         config = self.config
-        return StreamInfo(
+        self.last_info = StreamInfo(
             path=config.path,
             incarnation=config.incarnation,
             content_type=config.content_type,
-            tail=self.state.tail,
-            closed=self.state.closed,
+            tail=state.tail,
+            closed=state.closed,
             ttl=config.ttl,
             expires_at=config.expires_at,
             earliest=self.earliest,
             retention_age=config.retention_age,
             retention_bytes=config.retention_bytes,
         )
+        return self.last_info
 
     def notify(self) -> None:
         """Wake every live reader; later waiters get a fresh event."""
