@@ -3,8 +3,10 @@
 Group commit writes one segment per batch, so a stream fed by a slow producer holds
 one small object per append, and reading it back would cost one request per append.
 Once a stream has more than `compact_after` unpacked segments, a run of consecutive
-ones (at most `compact_max_segments`, never the last piece, which holds the stream's
-state) is copied into one pack named by the offsets it covers:
+small ones (at most `compact_max_segments` and `compact_max_bytes`, never the last
+piece, which holds the stream's state) is copied into one pack named by the offsets it
+covers. Segments of a sixteenth of `compact_max_bytes` or more (a batched producer's)
+stay as they are: packing them would copy megabytes to save a request per megabyte.
 
     <root>/streams/<key>/<incarnation>/pack/<start>-<end>
 
@@ -17,6 +19,7 @@ the index is listed is decided in `StreamStore._list_pieces`.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import TYPE_CHECKING
 
@@ -41,9 +44,11 @@ def maybe_compact(store: StreamStore, stream: _Stream) -> None:
 
 def _compact(store: StreamStore, stream: _Stream) -> None:
     """Merge a run of small segments into one pack; storage errors only postpone it."""
+    settings = store.settings
     try:
-        run = _unpacked_run(stream, store.settings.compact_max_segments)
+        run = _unpacked_run(stream, settings.compact_max_segments, settings.compact_max_bytes)
         if len(run) < 2:
+            stream.unpacked = 0  # nothing small to pack: look again after compact_after more
             return
         headers = [store.read_segment(stream, start) for start in run]
         payload = b"".join(
@@ -67,14 +72,22 @@ def _compact(store: StreamStore, stream: _Stream) -> None:
         stream.housekeeping = False
 
 
-def _unpacked_run(stream: _Stream, max_segments: int) -> list[int]:
-    """Consecutive unpacked segments before the tail segment, oldest first."""
+def _unpacked_run(stream: _Stream, max_segments: int, max_bytes: int) -> list[int]:
+    """Consecutive small unpacked segments before the tail segment, oldest first.
+
+    A segment's size is the distance to the next start, so no header is read to choose.
+    """
     run: list[int] = []
-    for start in stream.starts[:-1]:
-        if start in stream.keys:
-            run = []
+    run_bytes = 0
+    for start, next_start in itertools.pairwise(stream.starts):
+        size = next_start - start
+        if start in stream.keys or size >= max_bytes // 16:
+            run, run_bytes = [], 0
             continue
+        if run_bytes + size > max_bytes:
+            break
         run.append(start)
+        run_bytes += size
         if len(run) == max_segments:
             break
     return run

@@ -213,6 +213,9 @@ class StoreSettings:
     cache_bytes: int = 64 * 1024 * 1024
     compact_after: int = 64
     compact_max_segments: int = 1024
+    # A pack holds at most this much data; a segment of a sixteenth of it or more is
+    # left as it is: copying it would cost far more than the one request it saves.
+    compact_max_bytes: int = 4 * 1024 * 1024
     index_max_age: float = 60.0
     retention_age: int | None = None
     retention_bytes: int | None = None

@@ -53,3 +53,27 @@ def test_reads_from_any_message_offset_after_compaction(storage_url: str) -> Non
     whole = b"".join(b"%02d" % n for n in range(20))
     for offset in range(0, 40, 3):
         assert b"".join(store.read("bytes", offset, max_bytes=1000).chunks) == whole[offset:]
+
+
+def test_packs_are_bounded_by_bytes_and_large_segments_stay(storage_url: str) -> None:
+    """A batched producer's large segments are not copied, and no pack outgrows its bound."""
+    settings = StoreSettings(
+        compact_after=4, compact_max_segments=1024, compact_max_bytes=1600, index_max_age=0.03
+    )
+    store = StreamStore(ObjectStore(storage_url), settings)
+    store.create("mixed", CreateRequest(content_type="text/plain"))
+    small, large = b"s" * 40, b"L" * 100  # a sixteenth of 1,600 bytes is 100: large
+    sizes = [small] * 60 + [large] * 10 + [small] * 3
+    for data in sizes:
+        store.append("mixed", AppendRequest("text/plain", Payload(data)))
+    deadline = time.monotonic() + 20  # the 60 small segments: 40 bytes each, 1,600 at most
+    while len(object_names(store, "mixed", "pack")) < 2 and time.monotonic() < deadline:
+        gevent.sleep(0.1)
+    gevent.sleep(0.5)  # later passes, if any, would pack the large segments by now
+    large_start = 60 * len(small)
+    large_end = large_start + 10 * len(large)
+    for name in object_names(store, "mixed", "pack"):
+        start, end = (int(offset) for offset in name.rsplit("/", 1)[-1].split("-"))
+        assert end - start <= 1600, f"pack {start}-{end} holds more than compact_max_bytes"
+        assert end <= large_start or start >= large_end, f"pack {start}-{end} copied large ones"
+    assert read_all(store, "mixed") == b"".join(sizes)
