@@ -60,11 +60,12 @@ def json_nests_deeper_than(body: bytes, limit: int) -> bool:
     fails at the first bracket too deep. Brackets that do not balance also count as too
     deep: such a body is not JSON, and the caller answers 400 either way.
     """
-    if body.count(b"[") + body.count(b"{") <= limit:
+    skeleton = body.translate(None, NOT_STRUCTURE)
+    if skeleton.count(b"[") + skeleton.count(b"{") <= limit:
         return False  # the common case: too few brackets to nest that deep
     if b"\\" in body:  # only inside strings; pairs read left to right, as a parser does
-        body = ESCAPED_BACKSLASH_OR_QUOTE.sub(b"", body)
-    skeleton = body.translate(None, NOT_STRUCTURE).replace(b'""', b"")
+        skeleton = ESCAPED_BACKSLASH_OR_QUOTE.sub(b"", body).translate(None, NOT_STRUCTURE)
+    skeleton = skeleton.replace(b'""', b"")
     if b'"' in skeleton:  # removing a quote pair never moves a bracket across a string edge
         skeleton = QUOTED_BRACKETS.sub(b"", skeleton)
     brackets = skeleton.translate(BRACES_AS_BRACKETS)

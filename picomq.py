@@ -224,7 +224,10 @@ def parse_json_messages(body: bytes, *, allow_empty: bool, max_depth: int) -> li
     items = value if isinstance(value, list) else [value]
     if not items and not allow_empty:
         raise BadRequest("an empty JSON array appends nothing")
-    return [_dump_json(item) for item in items]
+    try:
+        return list(map(orjson.dumps, items))
+    except TypeError:  # an integer past 64 bits, from the stdlib parser
+        return [_dump_json(item) for item in items]
 
 
 def parse_finite_float(text: str) -> float:

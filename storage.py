@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import itertools
 import logging
 import random
 import time
@@ -133,12 +134,10 @@ class Payload:
 
     @staticmethod
     def from_messages(messages: list[bytes]) -> Payload:
-        data = b"".join(message + b"," for message in messages)
-        ends, position = [], 0
-        for message in messages:
-            position += len(message) + 1
-            ends.append(position)
-        return Payload(data, tuple(ends))
+        """Each message followed by a comma; batches of 1,000 pass here, so no Python loop."""
+        data = b",".join([*messages, b""]) if messages else b""
+        ends = itertools.accumulate(map(len, messages), lambda end, size: end + size + 1, initial=0)
+        return Payload(data, tuple(ends)[1:])
 
 
 @dataclass(frozen=True)
