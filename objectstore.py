@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from typing import TypeVar
 
 import fsspec
@@ -85,15 +85,15 @@ class ObjectCache:
     def __init__(self, capacity_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes
         self.size_bytes = 0
-        self._objects: OrderedDict[str, bytes] = OrderedDict()
+        self._objects: OrderedDict[Hashable, bytes] = OrderedDict()
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: Hashable) -> bytes | None:
         data = self._objects.get(key)
         if data is not None:
             self._objects.move_to_end(key)
         return data
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: Hashable, data: bytes) -> None:
         if len(data) > self.capacity_bytes // 8 or key in self._objects:
             return
         self._objects[key] = data

@@ -650,7 +650,7 @@ class StreamViews:
         message to 10,000 subscribers is read and formatted once, then only written.
         The data may end before the tail (the read cap); the next pass goes on from it.
         """
-        key = f"{info.incarnation}:{offset}:{info.tail}:{info.closed:d}:{cursor}:{base64_data:d}"
+        key = (info.incarnation, offset, info.tail, info.closed, cursor, base64_data)
         cached = self.sse_cache.get(key)
         if cached is not None:
             return int.from_bytes(cached[:8], "big"), cached[8:]
