@@ -48,7 +48,16 @@ class JsonFormatter(logging.Formatter):
 
 
 def use_json_logs() -> None:
-    """Every handler of the root and gunicorn loggers writes JSON from now on."""
+    """Every handler of the root and gunicorn loggers writes JSON from now on.
+
+    The access log writes a line per request, so what no line prints is not gathered
+    either: the caller's file and line (a stack walk per record), thread and process
+    names (the logging HOWTO's "Optimization" switches). The pid stays: lines carry it.
+    """
+    logging._srcfile = None  # noqa: SLF001 - the documented switch for caller lookup
+    logging.logThreads = False
+    logging.logMultiprocessing = False
+    logging.logAsyncioTasks = False
     root = logging.getLogger()
     if not root.handlers:
         root.addHandler(logging.StreamHandler(sys.stderr))
