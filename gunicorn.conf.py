@@ -34,7 +34,8 @@ timeout = 30
 graceful_timeout = 75
 keepalive = 5  # short: an idle keep-alive connection delays a graceful stop
 control_socket_disable = True
-# Past these gunicorn itself answers 431 or 400 (HTML) and the app never sees the request.
+# Past these gunicorn itself answers 431, 414 or 400 (in JSON: worker.py); the app never
+# sees the request.
 # A request line of 8190 bytes (gunicorn's most) fits the longest stream path, percent-
 # encoded, plus the read parameters and an access_token.
 limit_request_line = 8190

@@ -628,7 +628,9 @@ def test_finished_live_reads_give_their_slots_back(start_server: StartServer) ->
 # -- header and request-line sizes ------------------------------------------------------
 
 
-def test_headers_past_the_limits_are_refused_by_gunicorn(start_server: StartServer) -> None:
+def test_headers_past_the_limits_are_refused_by_gunicorn_in_json(
+    start_server: StartServer,
+) -> None:
     server = start_server(env={"PICOMQ_MAX_HEADER_BYTES": "1024", "PICOMQ_MAX_HEADERS": "20"})
     url = server.stream_url(f"headers-{uuid.uuid4().hex[:12]}")
     target = urlsplit(url).path.encode()
@@ -636,8 +638,12 @@ def test_headers_past_the_limits_are_refused_by_gunicorn(start_server: StartServ
     assert send_raw(server, "PUT", target, fitting).status == 201
     too_long = send_raw(server, "GET", target, {"X-Pad": "p" * 2000})
     too_many = send_raw(server, "GET", target, {f"X-Extra-{n}": "1" for n in range(30)})
-    for response in (too_long, too_many):
-        assert response.status == 431, (response.status, response.body[:200])
+    long_line = send_raw(server, "GET", target + b"?cursor=" + b"1" * 9000)
+    malformed = send_raw(server, "GET", b"no-slash")
+    expected = ((too_long, 431), (too_many, 431), (long_line, 414), (malformed, 400))
+    for response, status in expected:
+        assert response.status == status, (response.status, response.body[:200])
+        assert not json_error_problem(response), (status, json_error_problem(response))
     assert_server_answers(server)
 
 
