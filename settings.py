@@ -44,6 +44,15 @@ def _auto_or_positive_float(text: str) -> float | None:
     return None if text.strip() == "auto" else _positive_float(text)
 
 
+def _auto_or_non_negative_float(text: str) -> float | None:
+    if text.strip() == "auto":
+        return None
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise ValueError("must be auto, 0 (off) or a positive number")
+    return value
+
+
 def _optional_positive_int(text: str) -> int | None:
     return None if text.strip() == "none" else _positive_int(text)
 
@@ -224,6 +233,13 @@ SETTINGS: tuple[Setting, ...] = (
         " (auto: 0.05 on local disk, 1 on object stores, where each check is a request).",
     ),
     Setting(
+        "sweep_interval",
+        "auto",
+        _auto_or_non_negative_float,
+        "Seconds between sweeps that delete expired streams nobody opens any more (auto:"
+        " 3600 on local disk, 0 (off) on object stores, where a sweep lists the bucket).",
+    ),
+    Setting(
         "log_format",
         "json",
         _log_format,
@@ -255,6 +271,7 @@ class Settings:
     retention_bytes: int | None
     index_max_age: float
     poll_interval: float | None
+    sweep_interval: float | None
     log_format: str
 
     @staticmethod

@@ -1191,6 +1191,19 @@ class StreamStore:
             except (FileNotFoundError, orjson.JSONDecodeError):
                 continue
 
+    def sweep_expired(self) -> None:
+        """Delete every expired stream, touched or not.
+
+        Opening a stream is what deletes it once expired, so a stream nobody opens again
+        would keep its data for ever. Opening each one (opening never renews a TTL) is
+        the sweep; streams that vanish meanwhile are fine.
+        """
+        for path in list(self.paths()):
+            try:
+                self._open(path)
+            except (StreamNotFound, StreamGone):
+                continue
+
     # -- delete ---------------------------------------------------------------------------
 
     def delete(self, path: str) -> None:

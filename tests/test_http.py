@@ -380,6 +380,23 @@ def test_delete_then_recreate_serves_only_the_new_data(server: Server, unique_st
     assert response.headers["ETag"] != old_etag
 
 
+def test_expired_streams_are_swept_without_being_touched(
+    start_server: StartServer, unique_stream: str
+) -> None:
+    server = start_server(env={"PICOMQ_SWEEP_INTERVAL": "0.5"})
+    create(server.stream_url(unique_stream), {**TEXT, "Stream-TTL": "1"})
+    create(server.stream_url(f"{unique_stream}-kept"), TEXT)
+    meta = server.data_dir / "streams" / unique_stream / "meta.json"
+    assert meta.exists()
+    deadline = time.monotonic() + EXPIRY_DEADLINE_SECONDS
+    while meta.exists():  # nothing reads or writes it: only a sweep can remove it
+        if time.monotonic() > deadline:
+            pytest.fail(f"an expired stream was not swept within {EXPIRY_DEADLINE_SECONDS} s")
+        time.sleep(0.2)
+    assert list((server.data_dir / "streams" / unique_stream).iterdir()) == []  # data too
+    assert (server.data_dir / "streams" / f"{unique_stream}-kept" / "meta.json").exists()
+
+
 def test_stream_expires_after_its_ttl_and_can_be_recreated(
     server: Server, unique_stream: str
 ) -> None:

@@ -22,6 +22,12 @@ def test_defaults_parse() -> None:
     assert settings.workers == 1
 
 
+def test_sweep_interval_is_auto_off_or_seconds() -> None:
+    assert Settings.from_environment({}).sweep_interval is None
+    assert Settings.from_environment({"PICOMQ_SWEEP_INTERVAL": "0"}).sweep_interval == 0
+    assert Settings.from_environment({"PICOMQ_SWEEP_INTERVAL": "90"}).sweep_interval == 90
+
+
 def test_fractional_long_poll_timeout_is_accepted() -> None:
     assert Settings.from_environment({"PICOMQ_LONG_POLL_TIMEOUT": "0.5"}).long_poll_timeout == 0.5
 
@@ -36,6 +42,9 @@ def test_fractional_long_poll_timeout_is_accepted() -> None:
         ("PICOMQ_MAX_REQUEST_BYTES", "0"),
         ("PICOMQ_WORKERS", "two"),
         ("PICOMQ_STORAGE_URL", "  "),
+        ("PICOMQ_SWEEP_INTERVAL", "-1"),
+        ("PICOMQ_SWEEP_INTERVAL", "nan"),
+        ("PICOMQ_SWEEP_INTERVAL", "never"),
     ],
 )
 def test_bad_values_name_the_variable(variable: str, value: str) -> None:

@@ -261,6 +261,23 @@ def test_deleted_and_expired_streams_leave_no_objects(make_store: MakeStore) -> 
     assert not store.objects.exists("streams/expiring/meta.json")
 
 
+def test_a_sweep_deletes_expired_streams_nobody_touches(make_store: MakeStore) -> None:
+    store = make_store()
+    store.create("lapsed", CreateRequest(TEXT, ttl=1, payload=Payload(b"brief")))
+    store.create("lasting", CreateRequest(TEXT, ttl=3600, payload=Payload(b"kept")))
+    store.create("plain", CreateRequest(TEXT, payload=Payload(b"kept")))
+    prefix = f"streams/lapsed/{store.head('lapsed').incarnation}"
+    gevent.sleep(1.2)
+    other_node = make_store()  # it never opened "lapsed": only the sweep finds it
+    other_node.sweep_expired()
+    assert other_node.objects.list(f"{prefix}/seg") == []
+    assert not other_node.objects.exists("streams/lapsed/meta.json")
+    with pytest.raises(StreamNotFound):
+        store.head("lapsed")
+    assert read_all(other_node, "lasting") == b"kept"
+    assert read_all(other_node, "plain") == b"kept"
+
+
 def test_deleting_a_forked_source_keeps_it_for_its_forks(make_store: MakeStore) -> None:
     store = make_store()
     store.create("origin", CreateRequest(TEXT, payload=Payload(b"shared")))
