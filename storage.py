@@ -1203,6 +1203,8 @@ class StreamStore:
                 self._open(path)
             except (StreamNotFound, StreamGone):
                 continue
+            finally:
+                gevent.sleep(0)  # local reads block the loop: requests go first between streams
 
     # -- delete ---------------------------------------------------------------------------
 
