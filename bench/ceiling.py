@@ -32,7 +32,6 @@ import itertools
 import json
 import os
 import resource
-import shlex
 import shutil
 import sys
 import tempfile
@@ -45,7 +44,7 @@ from pathlib import Path
 import loads
 import orjson
 import servers
-from compare import MAX_DURATION_SECONDS, RESULTS_DIR, describe_machine
+from compare import MAX_DURATION_SECONDS, RESULTS_DIR, describe_run
 from loads import Options, Result, Target, percentile
 
 sys.path.insert(0, str(servers.REPO_DIR))
@@ -134,15 +133,11 @@ def main() -> None:
         connections=arguments.connections,
         client_core=arguments.client_core,
     )
-    machine = describe_machine(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
-    command = shlex.join([".venv/bin/python", "bench/ceiling.py", *sys.argv[1:]])
+    open_files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    machine, command = describe_run("bench/ceiling.py", open_files)
     RESULTS_DIR.mkdir(exist_ok=True)
     work_root = Path(tempfile.mkdtemp(prefix="ceiling-", dir=RESULTS_DIR))
-    print(
-        f"{machine['date']} · {machine['machine']} · PicoMQ {machine['commit']}\n"
-        f"{command}\nfiles on {describe_filesystem(work_root)}\n",
-        flush=True,
-    )
+    print(f"files on {describe_filesystem(work_root)}\n", flush=True)
     figures: dict[str, Figures] = {}
     notes: list[str] = []
     try:

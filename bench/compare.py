@@ -176,12 +176,8 @@ def main() -> None:
     settings = Settings(arguments.server_core, arguments.profile, RESULTS_DIR / f"profiles-{stamp}")
     os.sched_setaffinity(0, {arguments.client_core})
     open_files = servers.raise_open_file_limit()
-    machine = describe_machine(open_files)
-    command = shlex.join([".venv/bin/python", "bench/compare.py", *sys.argv[1:]])
-    print(
-        f"{machine['date']} · {machine['machine']} · PicoMQ {machine['commit']}\n{command}\n",
-        flush=True,
-    )
+    machine, command = describe_run("bench/compare.py", open_files)
+    print(flush=True)
     runs: list[Run] = []
     with work_area(arguments.keep) as work_root:
         for load in arguments.selected:
@@ -342,6 +338,18 @@ def format_notes(runs: list[Run]) -> str:
     return "Notes:\n" + "\n".join(lines) if lines else ""
 
 
+def describe_run(script: str, open_files: int) -> tuple[dict[str, str], str]:
+    """This run's machine and command line, printed first: saved figures name both."""
+    machine = describe_machine(open_files)
+    command = shlex.join([".venv/bin/python", script, *sys.argv[1:]])
+    print(f"{headline(machine)}\n{command}", flush=True)
+    return machine, command
+
+
+def headline(machine: dict[str, str]) -> str:
+    return f"{machine['date']} · {machine['machine']} · PicoMQ {machine['commit']}"
+
+
 def describe_machine(open_files: int) -> dict[str, str]:
     cpu = "unknown CPU"
     for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -382,10 +390,7 @@ def update_readme(machine: dict[str, str], command: str, table: str, notes: str)
         raise SystemExit(f"{README} has no {README_START} … {README_END} section")
     head, rest = text.split(README_START, 1)
     _, tail = rest.split(README_END, 1)
-    section = (
-        f"\n{machine['date']} · {machine['machine']} · PicoMQ {machine['commit']}\n\n"
-        f"```sh\n{command}\n```\n\n{table}\n\n{notes}\n"
-    )
+    section = f"\n{headline(machine)}\n\n```sh\n{command}\n```\n\n{table}\n\n{notes}\n"
     README.write_text(head + README_START + section + README_END + tail)
     print(f"figures written to {README.relative_to(servers.REPO_DIR)}")
 
