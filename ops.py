@@ -54,23 +54,12 @@ def register_operations(app: Flask, store: StreamStore, settings: Settings) -> N
     app.add_url_rule("/metrics", "metrics", metrics_view, methods=["GET"])
     app.add_url_rule("/v1/streams", "list_streams", list_streams, methods=["GET"])
     app.add_url_rule("/", "inspector", inspector, methods=["GET", "HEAD"])
-    start_expiry_sweeps(store, settings)
-
-
-def start_expiry_sweeps(store: StreamStore, settings: Settings) -> None:
-    """Sweep out expired streams every PICOMQ_SWEEP_INTERVAL, in every worker.
-
-    auto is hourly on local disk, where a sweep reads the streams directory, and off on
-    object stores, where it would list the bucket: idle streams cost no requests there.
-    """
-    interval = settings.sweep_interval
-    if interval is None:
-        interval = 3600.0 if store.objects.is_local else 0.0
-    if interval > 0:
-        gevent.spawn(sweep_forever, store, interval)
+    if store.settings.sweep_interval > 0:  # off by default on object stores: see create_store
+        gevent.spawn(sweep_forever, store, store.settings.sweep_interval)
 
 
 def sweep_forever(store: StreamStore, interval: float) -> None:
+    """Sweep out expired streams every `interval` seconds, in every worker."""
     while True:
         gevent.sleep(interval * random.uniform(0.75, 1.25))  # workers and nodes spread out
         try:

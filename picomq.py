@@ -342,6 +342,10 @@ def create_store(settings: Settings) -> StreamStore:
         recheck_interval=0.0 if local else 1.0,
         linger_fraction=0.0 if local else 0.5,
         index_max_age=settings.index_max_age,
+        # A sweep reads every stream: cheap on disk, a bucket listing on object stores.
+        sweep_interval=(3600.0 if local else 0.0)
+        if settings.sweep_interval is None
+        else settings.sweep_interval,
         retention_age=settings.retention_age,
         retention_bytes=settings.retention_bytes,
     )

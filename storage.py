@@ -216,6 +216,7 @@ class StoreSettings:
     # left as it is: copying it would cost far more than the one request it saves.
     compact_max_bytes: int = 4 * 1024 * 1024
     index_max_age: float = 60.0
+    sweep_interval: float = 0.0  # seconds between sweeps for expired streams; 0: none
     retention_age: int | None = None
     retention_bytes: int | None = None
 
