@@ -84,8 +84,24 @@ def test_json_integers_wider_than_64_bits_round_trip(server: Server, unique_stre
         2**64 - 1,
     ]
     append(url, json.dumps(values).encode(), JSON)
-    # The stdlib parser keeps every integer exact; a float anywhere means precision was lost.
+    # Parsed by the stdlib, a float anywhere would mean precision was lost.
     assert json.loads(requests.get(url).content) == values
+
+
+def test_json_messages_are_stored_byte_for_byte(server: Server, unique_stream: str) -> None:
+    """Never re-serialised: number spellings, key order and inner whitespace all stay."""
+    url = server.stream_url(unique_stream)
+    create(url, JSON)
+    messages = [b"1.0", b"1E5", b"-0", b'{"b": 2, "a" : [ 1 ]}', b'"\\u00e9\\n"', b"1e400"]
+    append(url, b" [ " + b" ,\n ".join(messages) + b" ]\n", JSON)
+    pretty = b'{\n  "line": 1,\r\n  "text": "a"\n}'
+    append(url, pretty, JSON)
+    assert requests.get(url).content == b"[" + b",".join([*messages, pretty]) + b"]"
+
+    close(url)
+    response = requests.get(url, params={"offset": "-1", "live": "sse"}, timeout=30)
+    batches = [json.loads(data) for kind, data in parse_sse(response.text) if kind == "data"]
+    assert [message for batch in batches for message in batch][-1] == {"line": 1, "text": "a"}
 
 
 def test_json_read_from_inside_a_message_is_400(server: Server, unique_stream: str) -> None:

@@ -425,6 +425,9 @@ MALFORMED_JSON = [
     b"1 2",
     b"   ",
     b"\xff\xfe",
+    b'["\xff"]',
+    b'{"\xc3": 1}',
+    b'["\xed\xa0\x80"]',
     b'"unterminated',
     b"[" * 100_000,
 ]
