@@ -65,10 +65,12 @@ def json_nests_deeper_than(body: bytes, limit: int) -> bool:
         return False  # the common case: too few brackets to nest that deep
     if b"\\" in body:  # only inside strings; pairs read left to right, as a parser does
         skeleton = ESCAPED_BACKSLASH_OR_QUOTE.sub(b"", body).translate(None, NOT_STRUCTURE)
-    skeleton = skeleton.replace(b'""', b"")
-    if b'"' in skeleton:  # removing a quote pair never moves a bracket across a string edge
-        skeleton = QUOTED_BRACKETS.sub(b"", skeleton)
-    brackets = skeleton.translate(BRACES_AS_BRACKETS)
+    if skeleton.count(b'""') * 2 == skeleton.count(b'"'):
+        # Quotes only in adjacent pairs: no string holds a bracket (the common case).
+        brackets = skeleton.translate(BRACES_AS_BRACKETS, b'"')
+    else:  # removing a quote pair never moves a bracket across a string edge
+        skeleton = QUOTED_BRACKETS.sub(b"", skeleton.replace(b'""', b""))
+        brackets = skeleton.translate(BRACES_AS_BRACKETS)
     return balanced_within(limit).fullmatch(brackets) is None
 
 
