@@ -1,5 +1,6 @@
 -- wrk script for bench/compare.py: POST the same JSON body to BENCH_STREAMS streams named
--- BENCH_PREFIX0, BENCH_PREFIX1, ... in turn (one stream when BENCH_STREAMS is 1).
+-- BENCH_PREFIX0, BENCH_PREFIX1, ... in turn (one stream when BENCH_STREAMS is 1), with
+-- BENCH_CONTENT_TYPE (default application/json) as its Content-Type.
 --
 --   BENCH_BODY_FILE=body.json BENCH_STREAMS=1000 BENCH_PREFIX=/v1/stream/bench/s \
 --     wrk -t1 -c64 -d10s -s append.lua http://127.0.0.1:4437
@@ -24,7 +25,7 @@ function setup(thread)
 end
 
 function init(args)
-  local headers = { ["Content-Type"] = "application/json" }
+  local headers = { ["Content-Type"] = os.getenv("BENCH_CONTENT_TYPE") or "application/json" }
   for n = 0, stream_count - 1 do
     prepared[n + 1] = wrk.format("POST", prefix .. n, headers, body)
   end

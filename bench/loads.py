@@ -35,7 +35,8 @@ from servers import Server
 MESSAGE_BYTES = 100
 BATCH_MESSAGES = 1000
 POPULATE_MESSAGES = 10_000  # per POST while filling the catch-up stream (≈1 MB)
-JSON_HEADERS = {"Content-Type": "application/json"}
+JSON_TYPE = "application/json"
+JSON_HEADERS = {"Content-Type": JSON_TYPE}
 STREAM_PREFIX = "/v1/stream/bench/"
 SETUP_CONCURRENCY = 16
 WRK_TIMEOUT = "10s"  # an answer slower than this counts as a wrk timeout error
@@ -164,15 +165,15 @@ def check(response_status: int, what: str) -> None:
         raise HttpError(f"{what} answered {response_status}")
 
 
-async def create_streams(port: int, paths: list[str]) -> str:
-    """PUT each path as a JSON stream; returns the last one's Stream-Next-Offset."""
+async def create_streams(port: int, paths: list[str], content_type: str = JSON_TYPE) -> str:
+    """PUT each path (a JSON stream by default); returns the last one's Stream-Next-Offset."""
     pending = iter(paths)
     tails: list[str] = []
 
     async def create() -> None:
         connection = Connection(port)
         for path in pending:
-            response = await connection.request("PUT", path, JSON_HEADERS)
+            response = await connection.request("PUT", path, {"Content-Type": content_type})
             check(response.status, f"PUT {path}")
             tails.append(response.headers["stream-next-offset"])
         await connection.close()
@@ -191,7 +192,14 @@ def server_log_errors(target: Target, limit: int = 5) -> list[str]:
 # (1) and (2): POST loads through wrk
 
 
-def run_wrk(target: Target, options: Options, body: bytes, streams: int, connections: int) -> dict:
+def run_wrk(
+    target: Target,
+    options: Options,
+    body: bytes,
+    streams: int,
+    connections: int,
+    content_type: str = JSON_TYPE,
+) -> dict:
     body_file = target.work_dir / "body.json"
     body_file.write_bytes(body)
     env = {
@@ -199,6 +207,7 @@ def run_wrk(target: Target, options: Options, body: bytes, streams: int, connect
         "BENCH_BODY_FILE": str(body_file),
         "BENCH_STREAMS": str(streams),
         "BENCH_PREFIX": f"{STREAM_PREFIX}s",
+        "BENCH_CONTENT_TYPE": content_type,
     }
     command = [
         "wrk",
@@ -231,10 +240,11 @@ def post_load(
     streams: int,
     connections: int,
     messages_per_post: int,
+    content_type: str = JSON_TYPE,
 ) -> Result:
     paths = [f"{STREAM_PREFIX}s{number}" for number in range(streams)]
-    asyncio.run(create_streams(target.port, paths))
-    return wrk_load(target, options, body, streams, connections, messages_per_post)
+    asyncio.run(create_streams(target.port, paths, content_type))
+    return wrk_load(target, options, body, streams, connections, messages_per_post, content_type)
 
 
 def wrk_load(
@@ -244,11 +254,12 @@ def wrk_load(
     streams: int,
     connections: int,
     messages_per_post: int,
+    content_type: str = JSON_TYPE,
 ) -> Result:
     """POST `body` with wrk to streams that exist (or to any app that takes POSTs)."""
     result = Result()
     with cpu_use(target, result):
-        summary = run_wrk(target, options, body, streams, connections)
+        summary = run_wrk(target, options, body, streams, connections, content_type)
     seconds = summary["duration_us"] / 1e6
     socket_errors = sum(
         summary[key] for key in ("connect_errors", "read_errors", "write_errors", "timeouts")
