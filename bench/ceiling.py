@@ -1,4 +1,4 @@
-"""Measure the two floors under PicoMQ's single-message append rate on this machine.
+"""Measure the floors under PicoMQ's append rates and live latency on this machine.
 
 1. The stack. A trivial Flask app (bench/trivial_app.py: read the body, answer 204),
    served exactly as PicoMQ is (`gunicorn -c gunicorn.conf.py`, one EagerSendWorker,
@@ -14,8 +14,9 @@
 2. Durability. One durable create-only write as PicoMQ's local store makes it
    (`objectstore.ObjectStore._create_local`: temporary file, fsync, link, directory
    fsync) of a 200-byte object: one at a time, then the same steps with each fsync
-   timed alone, then from 64 threads (PicoMQ's thread pool) over 1,000 directories.
-   These run on the server core, where PicoMQ's worker makes them.
+   timed alone, then from 64 threads (PicoMQ's thread pool) over 1,000 directories,
+   with the CPU time each costs. These run on the server core, where PicoMQ's worker
+   makes them.
 
     .venv/bin/python bench/ceiling.py                  # ≈ 25 s; under a minute on a slow disk
     .venv/bin/python bench/ceiling.py --duration 5
@@ -210,7 +211,7 @@ def measure_durability(
 ) -> dict[str, Figures]:
     creates = time_sequential_creates(work_root / "sequential", arguments.creates)
     file_fsyncs, directory_fsyncs = time_fsyncs(work_root / "fsyncs", arguments.creates)
-    parallel, elapsed = time_parallel_creates(
+    parallel, elapsed, cpu_seconds = time_parallel_creates(
         work_root / "parallel", THREADPOOL_SIZE, arguments.parallel_seconds, notes
     )
     for what, done in (("sequential creates", creates), ("fsyncs alone", file_fsyncs)):
@@ -224,6 +225,7 @@ def measure_durability(
     }
     figures["create"]["per_s"] = len(creates) / sum(creates) if creates else 0.0
     figures["parallel"]["per_s"] = len(parallel) / elapsed
+    figures["parallel"]["cpu_ms"] = 1000 * cpu_seconds / len(parallel) if parallel else 0.0
     print(
         f"durable create {figures['create']['p50_ms']:.2f} ms p50 one at a time · "
         f"{figures['parallel']['per_s']:,.0f}/s from {THREADPOOL_SIZE} threads",
@@ -290,17 +292,20 @@ def time_fsyncs(directory: Path, count: int) -> tuple[list[float], list[float]]:
 
 def time_parallel_creates(
     root: Path, threads: int, seconds: float, notes: list[str]
-) -> tuple[list[float], float]:
+) -> tuple[list[float], float, float]:
     """Durable creates from `threads` threads for `seconds`, spread round-robin over
     PARALLEL_DIRECTORIES existing directories (as appends to that many streams would be).
 
-    Returns each create's seconds and the time until the last thread finished.
+    Returns each create's seconds, the time until the last thread finished, and the CPU
+    time (user and system) this process spent meanwhile: what each create costs the
+    core, which an append to a stream of its own pays in full.
     """
     directories = [root / f"d{number:04d}" for number in range(PARALLEL_DIRECTORIES)]
     for directory in directories:
         directory.mkdir(parents=True)
     turns = itertools.count()  # next() on it is atomic under the GIL
     latencies: list[float] = []
+    cpu_before = os.times()
     started = time.monotonic()
     deadline = started + seconds
 
@@ -324,7 +329,9 @@ def time_parallel_creates(
     stuck = sum(worker.is_alive() for worker in workers)
     if stuck:
         notes.append(f"{stuck} threads still in a create {JOIN_GRACE_SECONDS:.0f} s after the end")
-    return list(latencies), time.monotonic() - started
+    cpu_after = os.times()
+    cpu_seconds = (cpu_after.user - cpu_before.user) + (cpu_after.system - cpu_before.system)
+    return list(latencies), time.monotonic() - started, cpu_seconds
 
 
 def latency_figures(latencies: list[float]) -> Figures:
@@ -409,7 +416,11 @@ def format_table(figures: dict[str, Figures], arguments: argparse.Namespace) -> 
             f"(2) durable creates from {THREADPOOL_SIZE} threads over "
             f"{PARALLEL_DIRECTORIES:,} directories, {arguments.parallel_seconds:g} s",
             "parallel",
-            (("per_s", "creates/s", "{:,.0f}"), *latency),
+            (
+                ("per_s", "creates/s", "{:,.0f}"),
+                *latency,
+                ("cpu_ms", "CPU ms per create (user + system)", "{:.3f}"),
+            ),
         ),
     )
     lines = ["| measure | figure | value |", "|---|---|---:|"]
