@@ -53,6 +53,10 @@ def ok(result: subprocess.CompletedProcess[str]) -> str:
 
 def start_tail(server: Server, *arguments: str) -> subprocess.Popen[bytes]:
     environment = dict(os.environ, PICOMQ_URL=server.url)
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        # A shell starts background jobs with SIGINT ignored, and a child inherits that:
+        # the tail would then never see the Ctrl-C these tests send it.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     return subprocess.Popen(
         [*CLI, "tail", *arguments],
         stdout=subprocess.PIPE,
