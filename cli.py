@@ -24,6 +24,7 @@ from typing import IO, Any, NoReturn
 from urllib.parse import quote, unquote, urlsplit
 
 import click
+import msgspec
 import requests
 
 from settings import Settings, SettingsError
@@ -31,6 +32,7 @@ from settings import Settings, SettingsError
 REPO_DIR = Path(__file__).resolve().parent
 DEFAULT_URL = "http://127.0.0.1:4437"
 JSON = "application/json"
+JSON_MESSAGES = msgspec.json.Decoder(list[msgspec.Raw])
 REQUEST_TIMEOUT_SECONDS = 60
 LONG_POLL_TIMEOUT_SECONDS = 120  # longer than any server's long-poll wait
 BATCH_BYTES = 1024 * 1024
@@ -417,8 +419,10 @@ class Printer:
         if self.output == "jsonl" and not is_json:
             raise Failure("--format jsonl needs a JSON stream; use raw", EXIT_REJECTED)
         if is_json and self.output != "raw":
-            for message in response.json():
-                self.stdout.write(json.dumps(message, separators=(",", ":")).encode() + b"\n")
+            # Each message as the server keeps it, on one line: without a round trip
+            # through Python's json, numbers such as 1e400 or 0.1000000000000000055 stay.
+            for message in JSON_MESSAGES.decode(response.content):
+                self.stdout.write(msgspec.json.format(message, indent=-1) + b"\n")
         else:
             self.stdout.write(response.content)
         self.stdout.flush()

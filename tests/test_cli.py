@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 CLI = [sys.executable, str(REPO_DIR / "cli.py")]
 COMMAND_TIMEOUT_SECONDS = 60
 DEADLINE_SECONDS = 30.0
+JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 def picomq(
@@ -119,6 +120,17 @@ def test_create_append_read_ls_head_close_rm(server: Server, unique_stream: str)
     assert gone.returncode == 3
     assert gone.stderr.count("\n") == 1
     assert ok(picomq(server.url, "ls", f"{unique_stream}/")) == ""
+
+
+def test_read_prints_each_json_message_on_one_line_as_stored(
+    server: Server, unique_stream: str
+) -> None:
+    ok(picomq(server.url, "create", unique_stream))
+    sent = b'[{\n  "n" : 1e400,\n  "big": 123456789012345678901234567890\n}, 0.1000000000000000055]'
+    response = requests.post(server.stream_url(unique_stream), data=sent, headers=JSON_HEADERS)
+    assert response.status_code == 204, response.content
+    lines = ok(picomq(server.url, "read", unique_stream)).splitlines()
+    assert lines == ['{"n":1e400,"big":123456789012345678901234567890}', "0.1000000000000000055"]
 
 
 def test_byte_streams_keep_their_bytes_and_ls_shows_expiry(
