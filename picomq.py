@@ -16,6 +16,7 @@ import re
 import time
 from collections.abc import Iterator
 from datetime import datetime
+from typing import IO
 
 import msgspec
 import orjson
@@ -200,13 +201,38 @@ def parse_content_type(required: bool) -> str | None:
 
 
 def read_body() -> bytes:
-    """The request body; 413 when a chunked body (no Content-Length) runs past the limit."""
-    body = request.get_data()
+    """The request body; 413 past the limit, 400 if the client hangs up before its end.
+
+    A body of declared length is read straight from gunicorn's reader, in one piece:
+    werkzeug's wrapper would copy it through 64 KiB chunks and a bytearray (6 % of the
+    batch load's throughput). A chunked body goes through werkzeug, which stops at the
+    limit; one more byte waiting means it was too large.
+    """
+    length = request.content_length
     limit = request.max_content_length
-    if request.content_length is None and limit is not None and len(body) >= limit:
-        if request.input_stream.read(1):
+    if length is not None:
+        if limit is not None and length > limit:
             raise RequestEntityTooLarge()
+        return read_exactly(request.environ["wsgi.input"], length)
+    body = request.get_data()
+    if limit is not None and len(body) >= limit and request.input_stream.read(1):
+        raise RequestEntityTooLarge()
     return body
+
+
+def read_exactly(stream: IO[bytes], length: int) -> bytes:
+    chunks: list[bytes] = []
+    received = 0
+    while received < length:
+        try:
+            chunk = stream.read(length - received)
+        except (OSError, ValueError):
+            chunk = b""
+        if not chunk:
+            raise BadRequest(f"the body ended after {received} of its {length} bytes")
+        chunks.append(chunk)
+        received += len(chunk)
+    return b"".join(chunks)
 
 
 def parse_json_messages(body: bytes, *, allow_empty: bool, max_depth: int) -> list[msgspec.Raw]:

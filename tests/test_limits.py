@@ -305,6 +305,33 @@ def test_create_with_a_body_over_the_limit_gets_413_and_creates_nothing(
     assert requests.head(url).status_code == 404
 
 
+@pytest.mark.parametrize("method", ["POST", "PUT"])
+def test_a_body_cut_short_by_the_client_is_400_and_stores_nothing(
+    server: Server, unique_stream: str, method: str
+) -> None:
+    """Content-Length promises 1,000 bytes; 400 arrive, then the client stops sending."""
+    url = server.stream_url(unique_stream)
+    if method == "POST":
+        assert requests.put(url, headers=OCTETS).status_code == 201
+    head = (
+        f"{method} {urlsplit(url).path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+        "Content-Type: application/octet-stream\r\nContent-Length: 1000\r\n\r\n"
+    )
+    port = urlsplit(server.url).port
+    with socket.create_connection(("127.0.0.1", port), timeout=SOCKET_TIMEOUT_SECONDS) as sock:
+        sock.sendall(head.encode() + b"x" * 400)
+        sock.shutdown(socket.SHUT_WR)
+        response = http.client.HTTPResponse(sock, method=method)
+        response.begin()
+        body = response.read()
+    assert response.status == 400, (response.status, body)
+    assert b"ended after 400 of its 1000 bytes" in body, body
+    if method == "POST":
+        assert tail_of(url) == "0000000000000000_0000000000000000"
+    else:
+        assert requests.head(url).status_code == 404
+
+
 # -- malformed headers ----------------------------------------------------------------
 
 
