@@ -66,13 +66,12 @@ Figures = dict[str, float]
 
 def wrk_trivial(target: Target, options: Options) -> Result:
     """compare.py's appends-1 load, less the stream creation the trivial app has no use for."""
-    return loads.wrk_load(target, options, loads.message(), 1, options.connections, 1)
+    return loads.wrk_load(target, options, loads.Posts.single(1, options.connections))
 
 
 def wrk_trivial_batch(target: Target, options: Options) -> Result:
     """compare.py's batch load (JSON arrays of 1,000 messages), to the trivial app."""
-    body = loads.batch(loads.BATCH_MESSAGES)
-    return loads.wrk_load(target, options, body, 1, options.batch_connections, loads.BATCH_MESSAGES)
+    return loads.wrk_load(target, options, loads.Posts.batches(options.batch_connections))
 
 
 def serial_round_trips(target: Target, options: Options) -> Result:
@@ -98,10 +97,7 @@ def serial_round_trips(target: Target, options: Options) -> Result:
 
 def batched_bytes(target: Target, options: Options) -> Result:
     """The batch load's bodies to an octet-stream stream: PicoMQ minus its JSON work."""
-    body = loads.batch(loads.BATCH_MESSAGES)
-    return loads.post_load(
-        target, options, body, 1, options.batch_connections, loads.BATCH_MESSAGES, OCTETS
-    )
+    return loads.post_load(target, options, loads.Posts.batches(options.batch_connections, OCTETS))
 
 
 STACKS: tuple[tuple[str, str, Callable[[Target, Options], Result]], ...] = (

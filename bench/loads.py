@@ -192,27 +192,41 @@ def server_log_errors(target: Target, limit: int = 5) -> list[str]:
 # (1) and (2): POST loads through wrk
 
 
-def run_wrk(
-    target: Target,
-    options: Options,
-    body: bytes,
-    streams: int,
-    connections: int,
-    content_type: str = JSON_TYPE,
-) -> dict:
+@dataclass(frozen=True)
+class Posts:
+    """What a wrk load sends: one body, to `streams` streams in turn, on `connections`."""
+
+    body: bytes
+    messages_per_post: int
+    streams: int
+    connections: int
+    content_type: str = JSON_TYPE
+
+    @staticmethod
+    def single(streams: int, connections: int) -> Posts:
+        """Load (1): one 100-byte message per POST."""
+        return Posts(message(), 1, streams, connections)
+
+    @staticmethod
+    def batches(connections: int, content_type: str = JSON_TYPE) -> Posts:
+        """Load (2): JSON arrays of BATCH_MESSAGES messages to one stream."""
+        return Posts(batch(BATCH_MESSAGES), BATCH_MESSAGES, 1, connections, content_type)
+
+
+def run_wrk(target: Target, options: Options, posts: Posts) -> dict:
     body_file = target.work_dir / "body.json"
-    body_file.write_bytes(body)
+    body_file.write_bytes(posts.body)
     env = {
         **os.environ,
         "BENCH_BODY_FILE": str(body_file),
-        "BENCH_STREAMS": str(streams),
+        "BENCH_STREAMS": str(posts.streams),
         "BENCH_PREFIX": f"{STREAM_PREFIX}s",
-        "BENCH_CONTENT_TYPE": content_type,
+        "BENCH_CONTENT_TYPE": posts.content_type,
     }
     command = [
         "wrk",
         "-t1",
-        f"-c{connections}",
+        f"-c{posts.connections}",
         f"-d{options.duration}s",
         "--timeout",
         WRK_TIMEOUT,
@@ -233,33 +247,18 @@ def run_wrk(
     raise RuntimeError(f"wrk printed no summary:\n{completed.stdout}\n{completed.stderr}")
 
 
-def post_load(
-    target: Target,
-    options: Options,
-    body: bytes,
-    streams: int,
-    connections: int,
-    messages_per_post: int,
-    content_type: str = JSON_TYPE,
-) -> Result:
-    paths = [f"{STREAM_PREFIX}s{number}" for number in range(streams)]
-    asyncio.run(create_streams(target.port, paths, content_type))
-    return wrk_load(target, options, body, streams, connections, messages_per_post, content_type)
+def post_load(target: Target, options: Options, posts: Posts) -> Result:
+    """Create the streams, then POST to them with wrk."""
+    paths = [f"{STREAM_PREFIX}s{number}" for number in range(posts.streams)]
+    asyncio.run(create_streams(target.port, paths, posts.content_type))
+    return wrk_load(target, options, posts)
 
 
-def wrk_load(
-    target: Target,
-    options: Options,
-    body: bytes,
-    streams: int,
-    connections: int,
-    messages_per_post: int,
-    content_type: str = JSON_TYPE,
-) -> Result:
-    """POST `body` with wrk to streams that exist (or to any app that takes POSTs)."""
+def wrk_load(target: Target, options: Options, posts: Posts) -> Result:
+    """POST with wrk to streams that exist (or to any app that takes POSTs)."""
     result = Result()
     with cpu_use(target, result):
-        summary = run_wrk(target, options, body, streams, connections, content_type)
+        summary = run_wrk(target, options, posts)
     seconds = summary["duration_us"] / 1e6
     socket_errors = sum(
         summary[key] for key in ("connect_errors", "read_errors", "write_errors", "timeouts")
@@ -267,9 +266,9 @@ def wrk_load(
     succeeded = sum(count for status, count in summary["statuses"].items() if status[0] == "2")
     failed = summary["requests"] - succeeded + socket_errors
     result.figures.update(
-        messages=succeeded * messages_per_post,
-        msgs_per_s=succeeded * messages_per_post / seconds,
-        mb_per_s=succeeded * len(body) / seconds / 1e6,
+        messages=succeeded * posts.messages_per_post,
+        msgs_per_s=succeeded * posts.messages_per_post / seconds,
+        mb_per_s=succeeded * len(posts.body) / seconds / 1e6,
         p50_ms=summary["p50_us"] / 1000,
         p99_ms=summary["p99_us"] / 1000,
         errors_pct=100 * failed / max(1, summary["requests"] + socket_errors),
@@ -286,16 +285,15 @@ def wrk_load(
 
 
 def appends_one_stream(target: Target, options: Options) -> Result:
-    return post_load(target, options, message(), 1, options.connections, 1)
+    return post_load(target, options, Posts.single(1, options.connections))
 
 
 def appends_many_streams(target: Target, options: Options) -> Result:
-    return post_load(target, options, message(), options.streams, options.connections, 1)
+    return post_load(target, options, Posts.single(options.streams, options.connections))
 
 
 def batched_appends(target: Target, options: Options) -> Result:
-    body = batch(BATCH_MESSAGES)
-    return post_load(target, options, body, 1, options.batch_connections, BATCH_MESSAGES)
+    return post_load(target, options, Posts.batches(options.batch_connections))
 
 
 # (3) catch-up read
@@ -630,8 +628,8 @@ def s3_appends(target: Target, options: Options) -> Result:
     assert target.moto is not None
     path = f"{STREAM_PREFIX}s0"
     asyncio.run(create_streams(target.port, [path]))
-    mark = target.moto.log_path.stat().st_size
-    result = post_load(target, options, message(), 1, options.connections, 1)
+    mark = target.moto.log_path.stat().st_size  # the stream's creation is not counted
+    result = wrk_load(target, options, Posts.single(1, options.connections))
     counts, _ = servers.count_s3_requests(target.moto.log_path, mark)
     messages = result.figures["messages"]
     for kind in ("PUT", "GET", "LIST", "HEAD"):
