@@ -44,13 +44,15 @@ def _auto_or_positive_float(text: str) -> float | None:
     return None if text.strip() == "auto" else _positive_float(text)
 
 
-def _auto_or_non_negative_float(text: str) -> float | None:
-    if text.strip() == "auto":
-        return None
+def _non_negative_float(text: str) -> float:
     value = float(text)
     if not 0 <= value < float("inf"):
-        raise ValueError("must be auto, 0 (off) or a positive number")
+        raise ValueError("must be 0 (off) or a positive number")
     return value
+
+
+def _auto_or_non_negative_float(text: str) -> float | None:
+    return None if text.strip() == "auto" else _non_negative_float(text)
 
 
 def _optional_positive_int(text: str) -> int | None:
