@@ -674,7 +674,7 @@ class StreamStore:
         try:
             self.objects.delete_many(keys)
         except StorageUnavailable as error:
-            log.warning("could not delete %d compacted segments: %s", len(keys), error)
+            log.warning("could not delete %d compacted or trimmed objects: %s", len(keys), error)
 
     def segment(self, stream: _Stream, start: int) -> SegmentIndex:
         """The index of the piece at `start`, read from storage only the first time."""
