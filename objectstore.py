@@ -3,11 +3,10 @@
 Every object the store writes is created exactly once and never rewritten, so the
 only write primitive that must be exact is "create if absent". fsspec offers it
 (`pipe_file(mode="create")`) but on local disk it is check-then-write, not atomic,
-and fsspec never fsyncs. Local disk therefore writes a temporary file, fsyncs it,
-and `os.link`s it into place: the link is the atomic create-only step, and a reader
-can never see a half-written object. Remote filesystems (S3) use the conditional
-PUT that fsspec sends, and run in gevent's thread pool because s3fs's synchronous
-calls fail on a gevent-patched thread (see shared/storage-facts.md).
+and fsspec never fsyncs, so local disk has its own (localdisk.py). Remote
+filesystems (S3) use the conditional PUT that fsspec sends, and run in gevent's
+thread pool because s3fs's synchronous calls fail on a gevent-patched thread (see
+shared/storage-facts.md).
 
 Backend errors become Python built-ins here: `FileNotFoundError` for a missing
 object, `FileExistsError` when a create-only write loses, `StorageUnavailable` for
@@ -17,13 +16,14 @@ anything else the backend raises.
 from __future__ import annotations
 
 import os
-import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from typing import TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
+
+import localdisk
 
 T = TypeVar("T")
 
@@ -124,6 +124,11 @@ class ObjectStore:
             self.root = os.path.abspath(self.root)
             os.makedirs(self.root, exist_ok=True)
         self._call: Callable[..., object] = _run_here if self.is_local else _run_in_threadpool
+        self._batched_creates = (
+            localdisk.BatchedCreates(_run_in_threadpool)
+            if self.is_local and localdisk.CAN_SYNC_FILESYSTEM
+            else None
+        )
 
     def path(self, key: str) -> str:
         return f"{self.root}/{key}"
@@ -146,29 +151,13 @@ class ObjectStore:
         When this returns the object is durable: fsynced with its directory on local
         disk, acknowledged by the object store otherwise.
         """
-        if self.is_local:
+        if self._batched_creates is not None:
+            self._guarded(self._batched_creates.create, self.path(key), data)
+        elif self.is_local:
             # fsync blocks for a while: off the event loop, writes to many streams overlap.
-            self._guarded(_run_in_threadpool, self._create_local, self.path(key), data)
+            self._guarded(_run_in_threadpool, localdisk.create_durably, self.path(key), data)
         else:
             self._guarded(self.filesystem.pipe_file, self.path(key), data, mode="create")
-
-    @staticmethod
-    def _create_local(path: str, data: bytes) -> None:
-        directory = os.path.dirname(path)
-        _make_durable_directories(directory)
-        temporary = f"{directory}/.tmp-{uuid.uuid4().hex}"
-        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            _write_all(descriptor, data)
-            os.fsync(descriptor)
-        finally:
-            os.close(descriptor)
-        try:
-            # The link, not the write, publishes the object: readers see all or nothing.
-            os.link(temporary, path)
-        finally:
-            os.unlink(temporary)
-        _fsync_directory(directory)
 
     def delete_tree(self, prefix: str) -> None:
         """Remove every object under `prefix`; missing objects are not an error."""
@@ -279,12 +268,6 @@ class ObjectStore:
         return [entry.rstrip("/").rsplit("/", 1)[-1] for entry in entries]
 
 
-def _write_all(descriptor: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(descriptor, view) :]
-
-
 def _read_local(path: str, start: int, end: int | None) -> bytes:
     with open(path, "rb") as file:
         file.seek(start)
@@ -305,31 +288,10 @@ def _touch_local(path: str) -> None:
     try:
         os.utime(path)
     except FileNotFoundError:
-        _make_durable_directories(os.path.dirname(path))
+        localdisk.make_durable_directories(os.path.dirname(path))
         open(path, "ab").close()
 
 
 def _unlink_durably(path: str) -> None:
     os.unlink(path)
-    _fsync_directory(os.path.dirname(path))
-
-
-def _make_durable_directories(directory: str) -> None:
-    """Create missing directories and fsync each parent so the new entries survive a crash."""
-    if os.path.isdir(directory):
-        return
-    parent = os.path.dirname(directory)
-    _make_durable_directories(parent)
-    try:
-        os.mkdir(directory)
-    except FileExistsError:
-        return
-    _fsync_directory(parent)
-
-
-def _fsync_directory(directory: str) -> None:
-    descriptor = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
+    localdisk.fsync_directory(os.path.dirname(path))

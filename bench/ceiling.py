@@ -12,7 +12,7 @@
    First of all, the trivial app answers one POST at a time on one connection: an HTTP
    round trip alone.
 2. Durability. One durable create-only write as PicoMQ's local store makes it
-   (`objectstore.ObjectStore._create_local`: temporary file, fsync, link, directory
+   (`localdisk.create_durably`: temporary file, fsync, link, directory
    fsync) of a 200-byte object: one at a time, then the same steps with each fsync
    timed alone, then from 64 threads (PicoMQ's thread pool) over 1,000 directories,
    with the CPU time each costs. These run on the server core, where PicoMQ's worker
@@ -50,7 +50,8 @@ from compare import MAX_DURATION_SECONDS, RESULTS_DIR, describe_run
 from loads import Options, Result, Target, percentile
 
 sys.path.insert(0, str(servers.REPO_DIR))
-from objectstore import THREADPOOL_SIZE, ObjectStore, _fsync_directory  # noqa: E402
+from localdisk import create_durably, fsync_directory  # noqa: E402
+from objectstore import THREADPOOL_SIZE  # noqa: E402
 from picomq import parse_json_messages  # noqa: E402
 from storage import Payload  # noqa: E402
 
@@ -252,7 +253,7 @@ def time_sequential_creates(directory: Path, count: int) -> list[float]:
         if time.monotonic() > deadline:
             break
         started = time.perf_counter()
-        ObjectStore._create_local(f"{directory}/{number:08d}", OBJECT)
+        create_durably(f"{directory}/{number:08d}", OBJECT)
         latencies.append(time.perf_counter() - started)
     return latencies
 
@@ -260,7 +261,7 @@ def time_sequential_creates(directory: Path, count: int) -> list[float]:
 def time_fsyncs(directory: Path, count: int) -> tuple[list[float], list[float]]:
     """The two fsyncs of a durable create timed apart: the new file's, then its directory's.
 
-    The steps of ObjectStore._create_local, in its order, with a clock around each fsync.
+    The steps of localdisk.create_durably, in its order, with a clock around each fsync.
     """
     directory.mkdir()
     files: list[float] = []
@@ -281,7 +282,7 @@ def time_fsyncs(directory: Path, count: int) -> tuple[list[float], list[float]]:
         os.link(temporary, f"{directory}/{number:08d}")
         os.unlink(temporary)
         started = time.perf_counter()
-        _fsync_directory(str(directory))
+        fsync_directory(str(directory))
         directories.append(time.perf_counter() - started)
     return files, directories
 
@@ -311,7 +312,7 @@ def time_parallel_creates(
             path = f"{directories[number % len(directories)]}/{number:08d}"
             began = time.perf_counter()
             try:
-                ObjectStore._create_local(path, OBJECT)
+                create_durably(path, OBJECT)
             except OSError as error:
                 notes.append(f"parallel create failed: {error!r}")
                 return
@@ -402,7 +403,7 @@ def format_table(figures: dict[str, Figures], arguments: argparse.Namespace) -> 
             (*latency, ("mb_per_s", "MB/s (1 ÷ p50)", "{:,.1f}")),
         ),
         (
-            f"(2) durable create (`_create_local`), {one_at_a_time}",
+            f"(2) durable create (`create_durably`), {one_at_a_time}",
             "create",
             (*latency, ("per_s", "creates/s (1 ÷ mean)", "{:,.0f}")),
         ),

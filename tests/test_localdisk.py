@@ -1,0 +1,112 @@
+"""Durable creates on local disk: batches share their syncs, objects fail one by one.
+
+Creates run on a real directory through gevent's real thread pool; a wrapper around
+the pool only counts the batches. A crash between the syncs cannot be staged here;
+test_durability kills real servers mid-load on the same code.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import gevent
+import pytest
+
+import localdisk
+from objectstore import ObjectStore, _run_in_threadpool
+
+pytestmark = pytest.mark.skipif(
+    not localdisk.CAN_SYNC_FILESYSTEM, reason="batched creates need Linux's syncfs"
+)
+
+CREATORS = 40
+
+
+def counting(run: Callable[..., Any], batches: list[int]) -> Callable[..., Any]:
+    def run_and_count(function: Callable[..., Any], objects: list[tuple[str, bytes]]) -> Any:
+        batches.append(len(objects))
+        return run(function, objects)
+
+    return run_and_count
+
+
+def leftovers(root: Path) -> list[Path]:
+    return [path for path in root.rglob(".tmp-*")]
+
+
+def test_concurrent_creates_share_batches(tmp_path: Path) -> None:
+    batches: list[int] = []
+    creates = localdisk.BatchedCreates(counting(_run_in_threadpool, batches))
+    paths = [f"{tmp_path}/stream{number}/segment" for number in range(CREATORS)]
+    greenlets = [
+        gevent.spawn(creates.create, path, f"object {number}".encode())
+        for number, path in enumerate(paths)
+    ]
+    gevent.joinall(greenlets, timeout=30, raise_error=True)
+    assert all(greenlet.successful() for greenlet in greenlets)
+    assert [Path(path).read_bytes() for path in paths] == [
+        f"object {number}".encode() for number in range(CREATORS)
+    ]
+    assert sum(batches) == CREATORS
+    assert len(batches) < CREATORS / 4, f"creates were not batched: {batches}"
+    assert not leftovers(tmp_path)
+
+
+def test_an_existing_object_fails_alone(tmp_path: Path) -> None:
+    existing = tmp_path / "a" / "taken"
+    existing.parent.mkdir()
+    existing.write_bytes(b"first")
+    objects = [
+        (f"{tmp_path}/a/new", b"new in a"),
+        (str(existing), b"second"),
+        (f"{tmp_path}/b/new", b"new in b"),
+    ]
+    outcomes = localdisk.create_many(objects)
+    assert outcomes[0] is None and outcomes[2] is None
+    assert isinstance(outcomes[1], FileExistsError)
+    assert existing.read_bytes() == b"first"
+    assert (tmp_path / "a" / "new").read_bytes() == b"new in a"
+    assert (tmp_path / "b" / "new").read_bytes() == b"new in b"
+    assert not leftovers(tmp_path)
+
+
+def test_an_object_whose_directory_cannot_exist_fails_alone(tmp_path: Path) -> None:
+    (tmp_path / "file").write_bytes(b"not a directory")
+    outcomes = localdisk.create_many(
+        [(f"{tmp_path}/file/inside/object", b"lost"), (f"{tmp_path}/ok/object", b"kept")]
+    )
+    assert isinstance(outcomes[0], NotADirectoryError)
+    assert outcomes[1] is None
+    assert (tmp_path / "ok" / "object").read_bytes() == b"kept"
+    assert not leftovers(tmp_path)
+
+
+def test_creates_waiting_behind_a_killed_writer_are_still_written(tmp_path: Path) -> None:
+    """The greenlet writing a batch is a request's; if it dies, the next batch goes on."""
+
+    def slow(function: Callable[..., Any], objects: list[tuple[str, bytes]]) -> Any:
+        gevent.sleep(0.2)
+        return _run_in_threadpool(function, objects)
+
+    creates = localdisk.BatchedCreates(slow)
+    writer = gevent.spawn(creates.create, f"{tmp_path}/first", b"1")
+    gevent.sleep(0.05)  # the first create's batch is in flight
+    waiting = gevent.spawn(creates.create, f"{tmp_path}/second", b"2")
+    gevent.sleep(0.05)
+    writer.kill(block=True)
+    waiting.join(timeout=10)
+    assert waiting.successful(), f"the waiting create did not finish: {waiting.exception}"
+    assert (tmp_path / "second").read_bytes() == b"2"
+    assert not creates.writing
+
+
+def test_object_store_creates_are_create_only(tmp_path: Path) -> None:
+    store = ObjectStore(str(tmp_path))
+    store.create("stream/segment", b"first")
+    with pytest.raises(FileExistsError):
+        store.create("stream/segment", b"second")
+    assert store.read("stream/segment") == b"first"
+    assert os.listdir(tmp_path / "stream") == ["segment"]
