@@ -47,7 +47,7 @@ class StorageUnavailable(Exception):
     """The backend failed in a way a retry may cure (network, 5xx, disk error)."""
 
 
-def _run_in_threadpool(function: Callable[..., T], *args: object, **kwargs: object) -> T:
+def run_in_threadpool(function: Callable[..., T], *args: object, **kwargs: object) -> T:
     """Run a blocking backend call off the gevent hub's thread.
 
     The exception travels back as a value: gevent's pool would print a traceback for
@@ -123,9 +123,9 @@ class ObjectStore:
         if self.is_local:
             self.root = os.path.abspath(self.root)
             os.makedirs(self.root, exist_ok=True)
-        self._call: Callable[..., object] = _run_here if self.is_local else _run_in_threadpool
+        self._call: Callable[..., object] = _run_here if self.is_local else run_in_threadpool
         self._batched_creates = (
-            localdisk.BatchedCreates(_run_in_threadpool)
+            localdisk.BatchedCreates(run_in_threadpool)
             if self.is_local and localdisk.CAN_SYNC_FILESYSTEM
             else None
         )
@@ -155,7 +155,7 @@ class ObjectStore:
             self._guarded(self._batched_creates.create, self.path(key), data)
         elif self.is_local:
             # fsync blocks for a while: off the event loop, writes to many streams overlap.
-            self._guarded(_run_in_threadpool, localdisk.create_durably, self.path(key), data)
+            self._guarded(run_in_threadpool, localdisk.create_durably, self.path(key), data)
         else:
             self._guarded(self.filesystem.pipe_file, self.path(key), data, mode="create")
 

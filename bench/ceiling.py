@@ -11,12 +11,12 @@
    UTF-8 checks, msgspec's split, the join) is then timed alone on one such body.
    First of all, the trivial app answers one POST at a time on one connection: an HTTP
    round trip alone.
-2. Durability. One durable create-only write as PicoMQ's local store makes it
-   (`localdisk.create_durably`: temporary file, fsync, link, directory
-   fsync) of a 200-byte object: one at a time, then the same steps with each fsync
-   timed alone, then from 64 threads (PicoMQ's thread pool) over 1,000 directories,
-   with the CPU time each costs. These run on the server core, where PicoMQ's worker
-   makes them.
+2. Durability. Durable create-only writes of a 200-byte object as PicoMQ's local
+   store makes them. One at a time (`localdisk.create_durably`: temporary file,
+   fsync, link, directory fsync), then the same steps with each fsync timed alone,
+   then from 64 concurrent callers over 1,000 directories, batched as PicoMQ batches
+   them (`localdisk.BatchedCreates`: two syncfs calls per batch), with the CPU time
+   each costs. These run on the server core, where PicoMQ's worker makes them.
 
     .venv/bin/python bench/ceiling.py                  # ≈ 25 s; under a minute on a slow disk
     .venv/bin/python bench/ceiling.py --duration 5
@@ -38,20 +38,20 @@ import resource
 import shutil
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+import gevent
 import loads
 import servers
 from compare import MAX_DURATION_SECONDS, RESULTS_DIR, describe_run
 from loads import Options, Result, Target, percentile
 
 sys.path.insert(0, str(servers.REPO_DIR))
-from localdisk import create_durably, fsync_directory  # noqa: E402
-from objectstore import THREADPOOL_SIZE  # noqa: E402
+from localdisk import BatchedCreates, create_durably, fsync_directory  # noqa: E402
+from objectstore import run_in_threadpool  # noqa: E402
 from picomq import parse_json_messages  # noqa: E402
 from storage import Payload  # noqa: E402
 
@@ -61,6 +61,7 @@ JSON_DEPTH = 128  # PICOMQ_MAX_JSON_DEPTH's default
 SEQUENTIAL_DEADLINE_SECONDS = 10.0  # per sequential phase: a slow disk stops it early
 JOIN_GRACE_SECONDS = 10.0  # parallel phase: for the creates under way at its end
 PARALLEL_DIRECTORIES = 1000
+PARALLEL_CALLERS = 64  # as many as compare.py's appends have connections
 
 Figures = dict[str, float]
 
@@ -209,7 +210,7 @@ def measure_durability(
     creates = time_sequential_creates(work_root / "sequential", arguments.creates)
     file_fsyncs, directory_fsyncs = time_fsyncs(work_root / "fsyncs", arguments.creates)
     parallel, elapsed, cpu_seconds = time_parallel_creates(
-        work_root / "parallel", THREADPOOL_SIZE, arguments.parallel_seconds, notes
+        work_root / "parallel", PARALLEL_CALLERS, arguments.parallel_seconds, notes
     )
     for what, done in (("sequential creates", creates), ("fsyncs alone", file_fsyncs)):
         if len(done) < arguments.creates:
@@ -225,7 +226,7 @@ def measure_durability(
     figures["parallel"]["cpu_ms"] = 1000 * cpu_seconds / len(parallel) if parallel else 0.0
     print(
         f"durable create {figures['create']['p50_ms']:.2f} ms p50 one at a time · "
-        f"{figures['parallel']['per_s']:,.0f}/s from {THREADPOOL_SIZE} threads",
+        f"{figures['parallel']['per_s']:,.0f}/s batched from {PARALLEL_CALLERS} callers",
         flush=True,
     )
     return figures
@@ -288,19 +289,22 @@ def time_fsyncs(directory: Path, count: int) -> tuple[list[float], list[float]]:
 
 
 def time_parallel_creates(
-    root: Path, threads: int, seconds: float, notes: list[str]
+    root: Path, callers: int, seconds: float, notes: list[str]
 ) -> tuple[list[float], float, float]:
-    """Durable creates from `threads` threads for `seconds`, spread round-robin over
-    PARALLEL_DIRECTORIES existing directories (as appends to that many streams would be).
+    """Durable creates from `callers` greenlets for `seconds`, spread round-robin over
+    PARALLEL_DIRECTORIES existing directories (as appends to that many streams would be),
+    batched as PicoMQ's local store batches them (`localdisk.BatchedCreates` on
+    gevent's thread pool).
 
-    Returns each create's seconds, the time until the last thread finished, and the CPU
+    Returns each create's seconds, the time until the last caller finished, and the CPU
     time (user and system) this process spent meanwhile: what each create costs the
     core, which an append to a stream of its own pays in full.
     """
     directories = [root / f"d{number:04d}" for number in range(PARALLEL_DIRECTORIES)]
     for directory in directories:
         directory.mkdir(parents=True)
-    turns = itertools.count()  # next() on it is atomic under the GIL
+    creates = BatchedCreates(run_in_threadpool)
+    turns = itertools.count()
     latencies: list[float] = []
     cpu_before = os.times()
     started = time.monotonic()
@@ -312,20 +316,18 @@ def time_parallel_creates(
             path = f"{directories[number % len(directories)]}/{number:08d}"
             began = time.perf_counter()
             try:
-                create_durably(path, OBJECT)
+                creates.create(path, OBJECT)
             except OSError as error:
                 notes.append(f"parallel create failed: {error!r}")
                 return
             latencies.append(time.perf_counter() - began)
 
-    workers = [threading.Thread(target=create, daemon=True) for _ in range(threads)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join(max(0.0, deadline + JOIN_GRACE_SECONDS - time.monotonic()))
-    stuck = sum(worker.is_alive() for worker in workers)
+    running = [gevent.spawn(create) for _ in range(callers)]
+    gevent.joinall(running, timeout=seconds + JOIN_GRACE_SECONDS)
+    stuck = sum(not greenlet.dead for greenlet in running)
     if stuck:
-        notes.append(f"{stuck} threads still in a create {JOIN_GRACE_SECONDS:.0f} s after the end")
+        notes.append(f"{stuck} callers still in a create {JOIN_GRACE_SECONDS:.0f} s after the end")
+        gevent.killall(running, block=False)
     cpu_after = os.times()
     cpu_seconds = (cpu_after.user - cpu_before.user) + (cpu_after.system - cpu_before.system)
     return list(latencies), time.monotonic() - started, cpu_seconds
@@ -410,7 +412,7 @@ def format_table(figures: dict[str, Figures], arguments: argparse.Namespace) -> 
         (f"(2) its file fsync alone, {one_at_a_time}", "file_fsync", latency),
         (f"(2) its directory fsync alone, {one_at_a_time}", "directory_fsync", latency),
         (
-            f"(2) durable creates from {THREADPOOL_SIZE} threads over "
+            f"(2) batched durable creates from {PARALLEL_CALLERS} callers over "
             f"{PARALLEL_DIRECTORIES:,} directories, {arguments.parallel_seconds:g} s",
             "parallel",
             (

@@ -16,7 +16,7 @@ import gevent
 import pytest
 
 import localdisk
-from objectstore import ObjectStore, _run_in_threadpool
+from objectstore import ObjectStore, run_in_threadpool
 
 pytestmark = pytest.mark.skipif(
     not localdisk.CAN_SYNC_FILESYSTEM, reason="batched creates need Linux's syncfs"
@@ -39,7 +39,7 @@ def leftovers(root: Path) -> list[Path]:
 
 def test_concurrent_creates_share_batches(tmp_path: Path) -> None:
     batches: list[int] = []
-    creates = localdisk.BatchedCreates(counting(_run_in_threadpool, batches))
+    creates = localdisk.BatchedCreates(counting(run_in_threadpool, batches))
     paths = [f"{tmp_path}/stream{number}/segment" for number in range(CREATORS)]
     greenlets = [
         gevent.spawn(creates.create, path, f"object {number}".encode())
@@ -89,7 +89,7 @@ def test_creates_waiting_behind_a_killed_writer_are_still_written(tmp_path: Path
 
     def slow(function: Callable[..., Any], objects: list[tuple[str, bytes]]) -> Any:
         gevent.sleep(0.2)
-        return _run_in_threadpool(function, objects)
+        return run_in_threadpool(function, objects)
 
     creates = localdisk.BatchedCreates(slow)
     writer = gevent.spawn(creates.create, f"{tmp_path}/first", b"1")
