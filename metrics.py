@@ -109,7 +109,7 @@ def get_metrics() -> Metrics:
         ),
         storage_seconds=Histogram(
             "storage_seconds",
-            "Latency of storage requests by operation (put on local disk includes its fsyncs).",
+            "Latency of storage requests by operation (put on local disk includes its syncs).",
             ["operation"],
             buckets=LATENCY_BUCKETS,
             **where,
@@ -210,8 +210,9 @@ class MeasuredObjectStore(ObjectStore):
     """The object store, each request counted and timed by operation.
 
     `iter_range` reads through `read`, so each chunk of a long read counts as one get.
-    On local disk `put` is the whole durable create (write, fsync, link, fsync of the
-    directory), so its latency is the fsync latency; on S3 it is one conditional PUT.
+    On local disk `put` is the whole durable create, including the wait for the batch
+    it shares syncs with, so its latency is the sync latency; on S3 it is one
+    conditional PUT.
     A `head` is counted on object stores only (`exists` goes through `identity` there):
     on disk it is a stat, which every read makes and measuring would cost more than.
     """

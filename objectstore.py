@@ -148,8 +148,9 @@ class ObjectStore:
     def create(self, key: str, data: bytes) -> None:
         """Write a new object; `FileExistsError` if the key already exists.
 
-        When this returns the object is durable: fsynced with its directory on local
-        disk, acknowledged by the object store otherwise.
+        When this returns the object is durable: synced with its directory on local
+        disk (fsyncs, or a batch's syncfs calls), acknowledged by the object store
+        otherwise.
         """
         if self._batched_creates is not None:
             self._guarded(self._batched_creates.create, self.path(key), data)
