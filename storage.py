@@ -36,6 +36,7 @@ import bisect
 import hashlib
 import itertools
 import logging
+import operator
 import random
 import time
 import uuid
@@ -134,17 +135,18 @@ class Payload:
     """Bytes to append; for JSON streams, already split into serialised messages."""
 
     data: bytes
-    message_ends: tuple[int, ...] = ()
+    message_lengths: tuple[int, ...] = ()  # JSON: each message's, without its comma
 
     @staticmethod
     def from_messages(messages: Sequence[Buffer]) -> Payload:
         """Each message followed by a comma; batches of 1,000 pass here, so no Python loop.
 
         Messages may be any buffer (bytes, or views of a request body), never copied twice.
+        Lengths, not ends: where a message ends is known once the commit places the
+        payload, and working it out there alone makes one pass over 1,000 integers, not two.
         """
         data = b",".join([*messages, b""]) if messages else b""
-        sizes_with_comma = map((1).__add__, map(len, messages))
-        return Payload(data, tuple(itertools.accumulate(sizes_with_comma)))
+        return Payload(data, tuple(map(len, messages)))
 
 
 @dataclass(frozen=True)
@@ -1278,7 +1280,10 @@ def _info(stream: _Stream, state: StreamState) -> StreamInfo:
 def _add_payload(plan: _Plan, payload: Payload) -> None:
     start = plan.state.tail
     plan.payload.append(payload.data)
-    plan.message_ends.extend(map(start.__add__, payload.message_ends))  # 1,000 per batch
+    # 1,000 per batch. Message i ends after i + 1 messages and as many commas:
+    plan.message_ends.extend(
+        map(operator.add, itertools.accumulate(payload.message_lengths), itertools.count(start + 1))
+    )
     plan.state.tail = start + len(payload.data)
     plan.append_ends.append(plan.state.tail)
 
