@@ -46,7 +46,7 @@ from pathlib import Path
 import gevent
 import loads
 import servers
-from compare import MAX_DURATION_SECONDS, RESULTS_DIR, describe_run
+from compare import MAX_DURATION_SECONDS, RESULTS_DIR, describe_run, evict_from_page_cache
 from loads import Options, Result, Target, percentile
 
 sys.path.insert(0, str(servers.REPO_DIR))
@@ -194,6 +194,7 @@ def measure_stack(
         return {}
     finally:
         server.stop()
+        evict_from_page_cache(work_dir)  # as compare.py does: the next load starts alike
     notes += [f"{name}: {note}" for note in result.notes]
     figures = result.figures
     line = f"{name:14} {figures['msgs_per_s']:,.0f} messages/s"
