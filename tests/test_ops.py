@@ -332,13 +332,19 @@ def test_a_killed_worker_leaves_no_live_connections_behind(
         lambda: scrape(server).get('picomq_live_connections{mode="long-poll"}') == 1,
         "the long-poll to start",
     )
-    worker = {e["pid"] for e in access_log(server) if e["path"] == "/metrics"}.pop()
+    # The access line is written after the response, so the scrape can come back first.
+    wait_for(lambda: metrics_workers(server), "the scrape's access-log line")
+    [worker] = metrics_workers(server)
     os.kill(worker, signal.SIGKILL)  # gunicorn starts another worker in its place
     waiting.join(timeout=DEADLINE_SECONDS)
     wait_for(
         lambda: scrape_or_none(server, 'picomq_live_connections{mode="long-poll"}') == 0,
         "the dead worker's gauge to go",
     )
+
+
+def metrics_workers(server: Server) -> set[int]:
+    return {entry["pid"] for entry in access_log(server) if entry["path"] == "/metrics"}
 
 
 def scrape_or_none(server: Server, name: str) -> float | None:
