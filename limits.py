@@ -53,7 +53,7 @@ def json_nests_deeper_than(body: bytes, limit: int) -> bool:
     """True if arrays and objects in `body` nest more than `limit` deep (the outer one is 1).
 
     Works on the bytes, without parsing and in linear time, with whole-buffer byte
-    operations only, as batches of 1,000 messages pass through here: about 0.13 ms per
+    operations only, as a batch of long messages passes through here: about 0.09 ms per
     100 KB, 0.45 ms when the strings hold escapes. Escaped backslashes and quotes are
     dropped, then everything but brackets and quotes, then strings; the remaining
     brackets must match a regular expression of `limit` nested possessive groups, which

@@ -242,9 +242,13 @@ def parse_json_messages(body: bytes, *, allow_empty: bool, max_depth: int) -> li
     hands back each item as a view of the body, so no message becomes a Python object
     and is serialised again: 0.2 ms instead of 1.4 ms for a batch of 1,000 messages.
     Numbers stay exact at any width, and whitespace inside a message stays.
+
+    Every level of nesting takes a pair of brackets, so a value of n bytes nests at
+    most n // 2 deep: a batch of short messages cannot pass the depth limit and skips
+    the bracket scan (0.09 ms of a 100 KB batch's 1.1 ms). msgspec itself stops at
+    Python's recursion limit, far deeper than ours, so it parses first.
     """
-    if json_nests_deeper_than(body, max_depth):
-        raise BadRequest(f"body is not valid JSON or nests deeper than {max_depth} levels")
+    too_deep = BadRequest(f"body is not valid JSON or nests deeper than {max_depth} levels")
     if not body.isascii():
         try:
             body.decode()  # msgspec does not check the UTF-8 of the items it skips over
@@ -253,10 +257,16 @@ def parse_json_messages(body: bytes, *, allow_empty: bool, max_depth: int) -> li
     try:
         if STARTS_AS_ARRAY.match(body):
             items = JSON_ITEMS.decode(body)
+            deepest_possible = 1 + max(map(len, items), default=0) // 2
         else:
             items = [JSON_VALUE.decode(body)]
-    except (msgspec.DecodeError, RecursionError) as error:
+            deepest_possible = len(body) // 2
+    except msgspec.DecodeError as error:
         raise BadRequest(f"body is not valid JSON: {error}") from error
+    except RecursionError:
+        raise too_deep from None
+    if deepest_possible > max_depth and json_nests_deeper_than(body, max_depth):
+        raise too_deep
     if not items and not allow_empty:
         raise BadRequest("an empty JSON array appends nothing")
     return items

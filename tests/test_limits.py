@@ -581,6 +581,22 @@ def test_json_depth_limit_is_configurable(start_server: StartServer) -> None:
     assert requests.get(url).json() == [json.loads(nested_json(3))[0]]
 
 
+def test_the_tightest_nesting_is_measured_to_the_level(start_server: StartServer) -> None:
+    # Two bytes a level, the fewest JSON allows: the bound that lets short bodies skip
+    # the bracket scan must still send these through it.
+    server = start_server(env={"PICOMQ_MAX_JSON_DEPTH": "3"})
+    url = server.stream_url(f"tight-{uuid.uuid4().hex[:12]}")
+    assert requests.put(url, headers=JSON).status_code == 201
+    far_too_deep = b"[" * 100_000 + b"]" * 100_000  # past Python's recursion limit too
+    for too_deep in (b"[[[[]]]]", b"[1,[[[]]]]", b'{"":{"":{"":{}}}}', b"[[[{}]]]", far_too_deep):
+        response = requests.post(url, data=too_deep, headers=JSON)
+        assert_json_error(response, 400)
+        assert "nests deeper than 3 levels" in response.json()["error"]["message"]
+    for at_the_limit in (b"[[[]]]", b"[1,[[]]]", b'{"":{"":{}}}'):
+        assert requests.post(url, data=at_the_limit, headers=JSON).status_code == 204
+    assert requests.get(url).json() == [[[]], 1, [[]], {"": {"": {}}}]
+
+
 @pytest.mark.parametrize("value", ["0", "201", "deep"])
 def test_json_depth_setting_is_validated(value: str) -> None:
     with pytest.raises(SettingsError, match="PICOMQ_MAX_JSON_DEPTH"):
