@@ -19,6 +19,7 @@ import orjson
 import pytest
 
 from objectstore import ObjectStore
+from segments import decode_header
 from storage import (
     AppendRequest,
     AppendResult,
@@ -133,7 +134,19 @@ def test_reads_are_cut_into_bounded_pieces(make_store: MakeStore) -> None:
     assert b"".join(result.chunks) == b"".join(pieces)[500:3000]
 
 
-def test_json_messages_keep_their_boundaries(make_store: MakeStore) -> None:
+def recorded_message_ends(storage_url: str, path: str) -> list[int]:
+    """The message ends a stream's segments record, as another node would read them."""
+    objects = ObjectStore(storage_url)
+    [incarnation] = [name for name in objects.list(f"streams/{path}") if name != "meta.json"]
+    segments = f"streams/{path}/{incarnation}/seg"
+    return [
+        end
+        for name in sorted(objects.list(segments))
+        for end in decode_header(objects.read(f"{segments}/{name}"))[0].message_ends
+    ]
+
+
+def test_json_messages_keep_their_boundaries(make_store: MakeStore, storage_url: str) -> None:
     store = make_store()
     store.create("events", CreateRequest(JSON))
     assert read_all(store, "events") == b"[]"
@@ -142,6 +155,7 @@ def test_json_messages_keep_their_boundaries(make_store: MakeStore) -> None:
     everything = b'[1,"two",{"three":[3]},null]'
     assert read_all(store, "events") == everything
     assert orjson.loads(everything) == [1, "two", {"three": [3]}, None]
+    assert recorded_message_ends(storage_url, "events") == [2, 8, 22, 27]  # once each
 
     # Offsets are byte positions; each message is stored with its separator.
     assert read_all(store, "events", 2) == b'["two",{"three":[3]},null]'
