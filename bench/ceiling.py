@@ -55,8 +55,7 @@ from loads import Options, Result, Target, percentile
 sys.path.insert(0, str(servers.REPO_DIR))
 from localdisk import BatchedCreates, create_durably, fsync_directory  # noqa: E402
 from objectstore import run_in_threadpool  # noqa: E402
-from picomq import parse_json_messages  # noqa: E402
-from storage import Payload  # noqa: E402
+from picomq import parse_json_payload  # noqa: E402
 
 OBJECT = b"x" * 200
 OCTETS = "application/octet-stream"
@@ -257,7 +256,7 @@ def time_json_parse(count: int) -> Figures:
     latencies = []
     for _ in range(count):
         started = time.perf_counter()
-        Payload.from_messages(parse_json_messages(body, allow_empty=False, max_depth=JSON_DEPTH))
+        parse_json_payload(body, allow_empty=False, max_depth=JSON_DEPTH)
         latencies.append(time.perf_counter() - started)
     figures = latency_figures(latencies)
     figures["mb_per_s"] = len(body) / percentile(latencies, 0.5) / 1e6

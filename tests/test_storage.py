@@ -35,6 +35,7 @@ from storage import (
     StreamGone,
     StreamNotFound,
     StreamStore,
+    stream_key,
 )
 
 TEXT = "text/plain"
@@ -137,8 +138,9 @@ def test_reads_are_cut_into_bounded_pieces(make_store: MakeStore) -> None:
 def recorded_message_ends(storage_url: str, path: str) -> list[int]:
     """The message ends a stream's segments record, as another node would read them."""
     objects = ObjectStore(storage_url)
-    [incarnation] = [name for name in objects.list(f"streams/{path}") if name != "meta.json"]
-    segments = f"streams/{path}/{incarnation}/seg"
+    stream = f"streams/{stream_key(path)}"
+    [incarnation] = [name for name in objects.list(stream) if name != "meta.json"]
+    segments = f"{stream}/{incarnation}/seg"
     return [
         end
         for name in sorted(objects.list(segments))
