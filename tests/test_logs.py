@@ -1,0 +1,94 @@
+"""The access log's direct path: the same line as `logging` writes, and only when equivalent."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import re
+
+from logs import AccessLog, JsonFormatter
+
+FIELDS = {"method": "POST", "path": "/v1/stream/a", "query": {}, "status": 204, "request_id": "r1"}
+TIME_PATTERN = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z")
+
+
+def access_log_to(handler: logging.Handler) -> AccessLog:
+    """An access log whose logger (outside logging's tree) reaches `handler` alone."""
+    logger = logging.Logger("picomq.access")
+    logger.addHandler(handler)
+    access = AccessLog(logger)
+    access.write_directly_if_possible()
+    return access
+
+
+def json_stream_handler() -> tuple[logging.StreamHandler, io.StringIO]:
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonFormatter())
+    return handler, stream
+
+
+def test_the_direct_line_is_the_line_logging_writes() -> None:
+    handler, stream = json_stream_handler()
+    access = access_log_to(handler)
+    assert access.direct is handler
+    access.log(dict(FIELDS))
+    access.direct = None  # the same log, through a LogRecord
+    access.log(dict(FIELDS))
+    direct, through_logging = (json.loads(line) for line in stream.getvalue().splitlines())
+    assert TIME_PATTERN.fullmatch(direct.pop("time"))
+    assert TIME_PATTERN.fullmatch(through_logging.pop("time"))
+    assert direct == through_logging
+    assert list(direct) == list(through_logging)
+    assert direct["logger"] == "picomq.access" and direct["status"] == 204
+
+
+def test_a_filtered_or_other_handler_still_gets_log_records() -> None:
+    handler, stream = json_stream_handler()
+    seen: list[logging.LogRecord] = []
+    handler.addFilter(lambda record: seen.append(record) or True)
+    access = access_log_to(handler)
+    assert access.direct is None
+    access.log(dict(FIELDS))
+    assert [record.fields for record in seen] == [FIELDS]
+    assert json.loads(stream.getvalue())["path"] == "/v1/stream/a"
+    for other in (logging.FileHandler("/dev/null", delay=True), logging.NullHandler()):
+        other.setFormatter(JsonFormatter())
+        assert access_log_to(other).direct is None
+    plain_text, _ = json_stream_handler()
+    plain_text.setFormatter(logging.Formatter())
+    assert access_log_to(plain_text).direct is None
+
+
+def test_a_second_handler_anywhere_up_the_tree_means_records() -> None:
+    handler, _ = json_stream_handler()
+    parent = logging.Logger("picomq")
+    parent.addHandler(logging.NullHandler())
+    logger = logging.Logger("picomq.access")
+    logger.parent = parent
+    logger.addHandler(handler)
+    access = AccessLog(logger)
+    access.write_directly_if_possible()
+    assert access.direct is None
+    logger.propagate = False
+    access.write_directly_if_possible()
+    assert access.direct is handler
+
+
+def test_the_direct_path_keeps_the_level() -> None:
+    handler, stream = json_stream_handler()
+    access = access_log_to(handler)
+    access.logger.setLevel(logging.WARNING)
+    access.log(dict(FIELDS))
+    assert access.direct is handler and stream.getvalue() == ""
+
+
+def test_a_failing_stream_is_reported_as_logging_would_and_never_raises() -> None:
+    handler, stream = json_stream_handler()
+    access = access_log_to(handler)
+    failures: list[logging.LogRecord] = []
+    handler.handleError = failures.append
+    stream.close()  # writing now raises ValueError
+    access.log(dict(FIELDS))
+    assert [record.getMessage() for record in failures] == ["request"]
