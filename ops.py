@@ -19,7 +19,7 @@ import orjson
 from flask import Flask, Response, current_app, request, send_from_directory
 
 from auth import allow_anonymous
-from logs import RequestLog, use_json_logs
+from logs import echo_and_log, start_request, use_json_logs
 from metrics import (
     count_request_start,
     count_response,
@@ -48,7 +48,6 @@ def register_operations(app: Flask, store: StreamStore, settings: Settings) -> N
     if settings.log_format == "json":
         use_json_logs()
     install_request_hooks(app, store)
-    app.wsgi_app = RequestLog(app.wsgi_app)  # outermost: auth's refusals get an id and a line
     allow_anonymous(app, "static")  # the inspector's script and style hold no data
     app.add_url_rule("/healthz", "healthz", healthz, methods=["GET", "HEAD"])
     app.add_url_rule("/readyz", "readyz", readyz, methods=["GET", "HEAD"])
@@ -72,17 +71,19 @@ def sweep_forever(store: StreamStore, interval: float) -> None:
 
 
 def install_request_hooks(app: Flask, store: StreamStore) -> None:
-    """Metrics: one hook per request phase (each hook costs a call)."""
+    """One hook per request phase for both logs and metrics (each hook costs a call)."""
     metrics = get_metrics()
     store.commit_observers.append(metrics.commit_batch_size.observe)
 
     @app.before_request
     def before() -> None:
+        start_request()
         count_request_start(metrics)
 
     @app.after_request
     def after(response: Response) -> Response:
         count_response(metrics, response)
+        echo_and_log(response)
         return response
 
     @app.teardown_request

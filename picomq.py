@@ -25,7 +25,6 @@ from flask import Response as FlaskResponse
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from limits import LiveConnections, json_nests_deeper_than
-from logs import REQUEST_ID_HEADER
 from metrics import MeasuredObjectStore
 from objectstore import ObjectCache
 from settings import Settings
@@ -94,7 +93,7 @@ PROTOCOL_HEADERS = (
 CORS_HEADERS = {
     "Access-Control-Allow-Origin": "*",
     "Access-Control-Allow-Methods": "GET, POST, PUT, DELETE, HEAD, OPTIONS",
-    "Access-Control-Expose-Headers": ", ".join((*PROTOCOL_HEADERS, REQUEST_ID_HEADER)),
+    "Access-Control-Expose-Headers": ", ".join(PROTOCOL_HEADERS),
 }
 SECURITY_HEADERS = {
     "X-Content-Type-Options": "nosniff",

@@ -7,10 +7,7 @@ import json
 import logging
 import re
 
-from flask import Flask
-
-import logs as logs_module
-from logs import AccessLog, JsonFormatter, RequestLog
+from logs import AccessLog, JsonFormatter
 
 FIELDS = {"method": "POST", "path": "/v1/stream/a", "query": {}, "status": 204, "request_id": "r1"}
 TIME_PATTERN = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z")
@@ -95,98 +92,3 @@ def test_a_failing_stream_is_reported_as_logging_would_and_never_raises() -> Non
     stream.close()  # writing now raises ValueError
     access.log(dict(FIELDS))
     assert [record.getMessage() for record in failures] == ["request"]
-
-
-# -- the request log middleware ---------------------------------------------------------
-
-
-class Body(list):
-    """A response body that records being closed, and can fail to close."""
-
-    def __init__(self, chunks: list[bytes], fail: bool = False) -> None:
-        super().__init__(chunks)
-        self.closed, self.fail = False, fail
-
-    def close(self) -> None:
-        self.closed = True
-        if self.fail:
-            raise OSError("the body failed to close")
-
-
-def serve(body: Body, environ: dict, status: str = "200 OK") -> tuple[list, list[bytes], list]:
-    """Call RequestLog around a one-response app; returns headers, chunks and its lines."""
-    lines: list[dict] = []
-    started: list = []
-
-    def app(environ: dict, start_response) -> Body:  # noqa: ANN001 - WSGI's callable
-        start_response(status, [("Content-Type", "text/plain")])
-        return body
-
-    original, logs_module.access_log.log = logs_module.access_log.log, lines.append
-    try:
-        response = RequestLog(app)(environ, lambda status, headers, *_: started.append(headers))
-        chunks = list(response)
-        assert lines == []  # nothing is logged before the server closes the body
-        try:
-            response.close()
-        except OSError:
-            pass
-    finally:
-        logs_module.access_log.log = original
-    return started[0], chunks, lines
-
-
-def test_the_request_log_adds_an_id_and_logs_the_request_when_closed() -> None:
-    environ = {
-        "REQUEST_METHOD": "GET",
-        "PATH_INFO": "/v1/stream/caf\xc3\xa9",  # WSGI's latin-1 view of UTF-8 bytes
-        "QUERY_STRING": "offset=-1&live=sse&access_token=secret&offset=5&limit=" + "9" * 300,
-        "REMOTE_ADDR": "127.0.0.1",
-        "HTTP_X_REQUEST_ID": "caller-id.1",
-    }
-    body = Body([b"one", b"two"])
-    headers, chunks, [line] = serve(body, environ, "206 Partial Content")
-    assert ("X-Request-Id", "caller-id.1") in headers
-    assert chunks == [b"one", b"two"] and body.closed
-    assert line.pop("duration_ms") >= 0
-    assert line == {
-        "method": "GET",
-        "path": "/v1/stream/café",
-        "query": {"offset": "-1", "live": "sse", "limit": "9" * 200},
-        "status": 206,
-        "remote_addr": "127.0.0.1",
-        "request_id": "caller-id.1",
-    }
-    assert environ["picomq.request_id"] == "caller-id.1"
-
-
-def test_a_forged_id_is_replaced_and_a_failing_close_still_logs() -> None:
-    environ = {"REQUEST_METHOD": "POST", "PATH_INFO": "/x", "HTTP_X_REQUEST_ID": 'a"\n{'}
-    body = Body([], fail=True)
-    headers, _, [line] = serve(body, environ, "500 Internal Server Error")
-    [(_, generated)] = [header for header in headers if header[0] == "X-Request-Id"]
-    assert re.fullmatch(r"[0-9a-f]{32}", generated)
-    assert line["request_id"] == generated and line["status"] == 500 and line["query"] == {}
-
-
-def test_log_lines_written_during_a_request_carry_its_id() -> None:
-    handler, stream = json_stream_handler()
-    logger = logging.getLogger("picomq.test")
-    app = Flask(__name__)
-
-    @app.get("/work")
-    def work() -> str:
-        logger.warning("working")
-        return "done"
-
-    app.wsgi_app = RequestLog(app.wsgi_app)
-    logger.addHandler(handler)
-    try:
-        response = app.test_client().get("/work", headers={"X-Request-Id": "id-7"})
-        logger.warning("outside any request")
-    finally:
-        logger.removeHandler(handler)
-    assert response.headers["X-Request-Id"] == "id-7"
-    during, outside = (json.loads(line) for line in stream.getvalue().splitlines())
-    assert during["request_id"] == "id-7" and during["message"] == "working"
-    assert "request_id" not in outside
