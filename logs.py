@@ -27,7 +27,9 @@ MAX_LOGGED_VALUE_CHARS = 200
 ACCESS_MESSAGE = "request"
 
 
-def log_entry(created: float, level: str, logger: str, message: str) -> dict[str, object]:
+def log_entry(
+    created: float, level: str, logger: str, message: str, pid: int | None
+) -> dict[str, object]:
     """The fields every JSON line starts with."""
     moment = datetime.fromtimestamp(created, UTC)
     return {
@@ -35,7 +37,7 @@ def log_entry(created: float, level: str, logger: str, message: str) -> dict[str
         "level": level,
         "logger": logger,
         "message": message,
-        "pid": os.getpid(),
+        "pid": pid,
     }
 
 
@@ -44,7 +46,7 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         level, message = record.levelname.lower(), record.getMessage()
-        entry = log_entry(record.created, level, record.name, message)
+        entry = log_entry(record.created, level, record.name, message, record.process)
         if has_request_context() and "request_id" in g:
             entry["request_id"] = g.request_id
         entry.update(getattr(record, "fields", {}))
@@ -81,7 +83,7 @@ class AccessLog:
             return
         if not self.logger.isEnabledFor(logging.INFO):
             return
-        entry = log_entry(time.time(), "info", self.logger.name, ACCESS_MESSAGE)
+        entry = log_entry(time.time(), "info", self.logger.name, ACCESS_MESSAGE, os.getpid())
         entry.update(fields)
         line = orjson.dumps(entry, default=str).decode() + handler.terminator
         handler.acquire()
