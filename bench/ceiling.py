@@ -12,6 +12,10 @@
    Last, the JSON batch load once more with PicoMQ's data on tmpfs (/dev/shm, where
    Linux has it): storing is then a memory copy and an fsync costs nothing, so what
    remains is the stack and PicoMQ's own work.
+   Both PicoMQ loads, one stream and batched, then go once more to PicoMQ's store
+   behind a bare WSGI callable (bench/bare_append_app.py): each POST's body goes
+   straight to the JSON split and `StreamStore.append`, with no Flask request, hooks,
+   metrics or access line. The difference is what PicoMQ's HTTP layer costs an append.
    First of all, the trivial app answers one POST at a time on one connection: an HTTP
    round trip alone.
 2. Durability. Durable create-only writes of a 200-byte object as PicoMQ's local
@@ -105,6 +109,7 @@ def batched_bytes(target: Target, options: Options) -> Result:
 
 
 MEMORY_FILESYSTEM = Path("/dev/shm")
+BARE_STORE_APP = "bench.bare_append_app:app"
 # (name, app, load, data on MEMORY_FILESYSTEM rather than next to bench/results)
 STACKS: tuple[tuple[str, str, Callable[[Target, Options], Result], bool], ...] = (
     ("trivial_serial", "bench.trivial_app:app", serial_round_trips, False),
@@ -114,6 +119,8 @@ STACKS: tuple[tuple[str, str, Callable[[Target, Options], Result], bool], ...] =
     ("picomq_batch", "wsgi:app", loads.batched_appends, False),
     ("picomq_bytes", "wsgi:app", batched_bytes, False),
     ("picomq_batch_memory", "wsgi:app", loads.batched_appends, True),
+    ("bare_store", BARE_STORE_APP, loads.appends_one_stream, False),
+    ("bare_store_batch", BARE_STORE_APP, loads.batched_appends, False),
 )
 JSON_PARSES = 200
 SERIAL_REQUESTS = 2000
@@ -423,6 +430,16 @@ def format_table(figures: dict[str, Figures], arguments: argparse.Namespace) -> 
             (("mb_per_s", "MB/s of bodies (2xx)", "{:,.1f}"), *served),
         ),
         (
+            f"(1) PicoMQ's store without Flask (bench/bare_append_app.py), 1 stream, {load}",
+            "bare_store",
+            (("msgs_per_s", "messages/s (2xx)", "{:,.0f}"), *served),
+        ),
+        (
+            f"(1) PicoMQ's store without Flask, 1 stream, {batched}",
+            "bare_store_batch",
+            (("mb_per_s", "MB/s of bodies (2xx)", "{:,.1f}"), *served),
+        ),
+        (
             f"(1) PicoMQ's JSON check and split of one such body, {JSON_PARSES} times, here",
             "json_parse",
             (*latency, ("mb_per_s", "MB/s (1 ÷ p50)", "{:,.1f}")),
@@ -455,6 +472,15 @@ def format_table(figures: dict[str, Figures], arguments: argparse.Namespace) -> 
     if trivial.get("msgs_per_s") and "msgs_per_s" in picomq:
         ratio = picomq["msgs_per_s"] / trivial["msgs_per_s"]
         lines.append(f"| (1) PicoMQ ÷ trivial app | requests/s | {ratio:.2f} |")
+    for served_by, bare, figure, unit in (
+        ("picomq", "bare_store", "msgs_per_s", "messages/s"),
+        ("picomq_batch", "bare_store_batch", "mb_per_s", "MB/s"),
+    ):
+        through_flask, without = figures.get(served_by, {}), figures.get(bare, {})
+        if without.get(figure) and figure in through_flask:
+            ratio = through_flask[figure] / without[figure]
+            title = f"(1) PicoMQ ÷ its store without Flask, {served_by}"
+            lines.append(f"| {title} | {unit} | {ratio:.2f} |")
     return "\n".join(lines)
 
 
