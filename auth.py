@@ -200,6 +200,14 @@ class Verifier:
             raise AuthError(401, "invalid_token", "scope must be a space-separated string")
         return parse_scope(scope)
 
+    def allows(self, token: str, action: str, path: str) -> bool:
+        """Whether `token` is ours, current, and grants `action` on `path`."""
+        try:
+            grants = self.grants_of(token)
+        except AuthError:
+            return False
+        return any(grant.allows(action, path) for grant in grants)
+
 
 def describe(error: jwt.PyJWTError) -> str:
     """A reason for the caller that never quotes the token (PyJWT's messages do not)."""
@@ -282,11 +290,16 @@ class TokenOutOfQuery:
 def bearer_token() -> str | None:
     """The token from the Authorization header or the query; None when neither has one."""
     tokens = request.environ.get(TOKEN_ENVIRON_KEY, [])
-    scheme, _, credentials = request.headers.get("Authorization", "").partition(" ")
-    from_header = credentials.strip() if scheme.lower() == "bearer" else ""
+    from_header = bearer_credentials(request.headers.get("Authorization", ""))
     if len(tokens) > 1 or (tokens and from_header):
         raise AuthError(400, "invalid_request", "send one token, in one place")
     return from_header or (tokens[0] if tokens else None)
+
+
+def bearer_credentials(authorization: str) -> str:
+    """The token of an `Authorization: Bearer …` header; "" for any other header."""
+    scheme, _, credentials = authorization.partition(" ")
+    return credentials.strip() if scheme.lower() == "bearer" else ""
 
 
 def required_grants(anonymous_endpoints: frozenset[str]) -> list[tuple[str, str]] | None:
@@ -323,8 +336,12 @@ def refusal(error: AuthError) -> Response:
     return error_response(error.status, error.error, str(error), headers)
 
 
-def register_auth(app: Flask, settings: Settings) -> None:
-    """Check every request's token before its view, when a key is configured.
+# What `keep_private` adds to an answer that names no Cache-Control of its own.
+PRIVATE_ANSWER_HEADERS = (("Cache-Control", "private"), ("Vary", "Authorization"))
+
+
+def register_auth(app: Flask, settings: Settings) -> Verifier | None:
+    """Check every request's token before its view, when a key is configured; its verifier.
 
     Other modules name endpoints that need no token with `allow_anonymous`.
     """
@@ -332,7 +349,7 @@ def register_auth(app: Flask, settings: Settings) -> None:
     app.wsgi_app = TokenOutOfQuery(app.wsgi_app)  # even when off: clients may still send one
     verifier = Verifier.from_settings(settings)
     if verifier is None:
-        return
+        return None
 
     @app.before_request
     def authorize() -> Response | None:
@@ -361,6 +378,8 @@ def register_auth(app: Flask, settings: Settings) -> None:
             response.headers["Cache-Control"] = cache_control.replace("public", "private")
             response.vary.add("Authorization")
         return response
+
+    return verifier
 
 
 def allow_anonymous(app: Flask, endpoint: str) -> None:

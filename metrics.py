@@ -159,8 +159,12 @@ def count_response(metrics: Metrics, response: Response) -> None:
         metrics.errors.labels(str(status)).inc()
         if is_auth_failure(response):
             metrics.auth_failures.inc()
-    elif request.method == "POST" and request.path.startswith(STREAM_PREFIX):
-        count_append(metrics)
+    elif (
+        request.method == "POST"
+        and request.path.startswith(STREAM_PREFIX)
+        and not request.path.startswith(RESERVED_PREFIX)
+    ):
+        count_append(metrics, request.headers.get("Content-Type"), request.content_length or 0)
     live_mode = g.pop("live_mode", None)
     if live_mode is not None:  # an SSE body is still to come: the connection ends on close
         response.call_on_close(metrics.live_connections.labels(live_mode).dec)
@@ -173,10 +177,10 @@ def release_live_connection(metrics: Metrics) -> None:
         metrics.live_connections.labels(live_mode).dec()
 
 
-def count_append(metrics: Metrics) -> None:
-    size = request.content_length or 0
-    if size and not request.path.startswith(RESERVED_PREFIX):
-        label = label_of_content_type(request.headers.get("Content-Type"))
+def count_append(metrics: Metrics, content_type: str | None, size: int) -> None:
+    """An append that succeeded, with a body of `size` bytes (a close alone has none)."""
+    if size:
+        label = label_of_content_type(content_type)
         metrics.appends.labels(label).inc()
         metrics.append_bytes.labels(label).inc(size)
 

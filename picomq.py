@@ -4,7 +4,8 @@ Each view parses and validates its request (400 with a JSON message, never a 500
 makes one call on the stream store, and shapes the response. Nothing here touches
 paths, fsspec or byte layouts; store outcomes become status codes in
 `STATUS_OF_ERROR`. Live reads (long-poll, SSE) always end by a deadline so a
-graceful shutdown never has to kill one.
+graceful shutdown never has to kill one. Plain appends, the most frequent request,
+are answered by fastpath.py before Flask starts on them, with the same answer.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import logging
 import random
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime
 from typing import IO
 
@@ -25,11 +26,13 @@ from flask import Response as FlaskResponse
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from limits import LiveConnections, json_nests_deeper_than
+from logs import REQUEST_ID_HEADER
 from metrics import MeasuredObjectStore
 from objectstore import ObjectCache
 from settings import Settings
 from storage import (
     AppendRequest,
+    AppendResult,
     CreateRequest,
     InvalidRequest,
     OffsetTrimmed,
@@ -88,7 +91,7 @@ PROTOCOL_HEADERS = (
     FORK_OFFSET, FORK_SUB_OFFSET, RETENTION_AGE, RETENTION_BYTES, EARLIEST_OFFSET,
     PRODUCER_ID, PRODUCER_EPOCH, PRODUCER_SEQ, PRODUCER_EXPECTED_SEQ, PRODUCER_RECEIVED_SEQ,
     SSE_DATA_ENCODING, "ETag", "Location",
-    "Content-Type", "If-None-Match", "Authorization", "Retry-After",
+    "Content-Type", "If-None-Match", "Authorization", "Retry-After", REQUEST_ID_HEADER,
 )  # fmt: skip
 CORS_HEADERS = {
     "Access-Control-Allow-Origin": "*",
@@ -99,6 +102,9 @@ SECURITY_HEADERS = {
     "X-Content-Type-Options": "nosniff",
     "Cross-Origin-Resource-Policy": "cross-origin",
 }
+COMMON_HEADERS = (*SECURITY_HEADERS.items(), *CORS_HEADERS.items())  # on every response
+# fastpath.py hands a plain append whose store call failed to the view under this key.
+FAST_APPEND_FAILURE = "picomq.fast_append_failure"
 CACHEABLE = "public, max-age=60, stale-while-revalidate=300"
 NO_STORE = "no-store"
 
@@ -189,8 +195,8 @@ def parse_expires_at(text: str) -> datetime:
     return moment
 
 
-def parse_content_type(required: bool) -> str | None:
-    content_type = request.headers.get("Content-Type")
+def parse_content_type(content_type: str | None, required: bool) -> str | None:
+    """The request's Content-Type header, checked; None when absent and not `required`."""
     if content_type is None or not content_type.strip():
         if required:
             raise BadRequest("Content-Type is required with a body")
@@ -213,14 +219,18 @@ def read_body() -> bytes:
     if length is not None:
         if limit is not None and length > limit:
             raise RequestEntityTooLarge()
-        return read_exactly(request.environ["wsgi.input"], length)
+        body = read_up_to(request.environ["wsgi.input"], length)
+        if len(body) < length:
+            raise BadRequest(f"the body ended after {len(body)} of its {length} bytes")
+        return body
     body = request.get_data()
     if limit is not None and len(body) >= limit and request.input_stream.read(1):
         raise RequestEntityTooLarge()
     return body
 
 
-def read_exactly(stream: IO[bytes], length: int) -> bytes:
+def read_up_to(stream: IO[bytes], length: int) -> bytes:
+    """`length` bytes, or fewer if the client hangs up first."""
     chunks: list[bytes] = []
     received = 0
     while received < length:
@@ -229,7 +239,7 @@ def read_exactly(stream: IO[bytes], length: int) -> bytes:
         except (OSError, ValueError):
             chunk = b""
         if not chunk:
-            raise BadRequest(f"the body ended after {received} of its {length} bytes")
+            break
         chunks.append(chunk)
         received += len(chunk)
     return b"".join(chunks)
@@ -343,6 +353,20 @@ def error_response(
     return Response(body, status, headers or {}, mimetype="application/json")
 
 
+def append_answer(result: AppendResult, produced_data: bool) -> tuple[int, dict[str, str]]:
+    """Status and headers of an append that succeeded; 200 only for new producer data."""
+    info = result.info
+    headers = {NEXT_OFFSET: format_offset(info.tail)}
+    if info.closed:
+        headers[CLOSED] = "true"
+    if result.producer is not None:
+        headers[PRODUCER_EPOCH] = str(result.producer.epoch)
+        headers[PRODUCER_SEQ] = str(result.producer.seq)
+        if result.duplicate:
+            del headers[NEXT_OFFSET]
+    return (200 if produced_data and not result.duplicate else 204), headers
+
+
 def empty_body(info: StreamInfo) -> bytes:
     return b"[]" if is_json_type(info.content_type) else b""
 
@@ -371,15 +395,33 @@ def create_store(settings: Settings) -> StreamStore:
     return StreamStore(objects, store_settings)
 
 
+class StreamApp(Flask):
+    """Flask, with a first look at each request for an answer that needs none of Flask.
+
+    In `__call__`, in place of Flask's own, so live reads and every other request run
+    no deeper than before: one more frame in the WSGI call chain costs each open SSE
+    connection about 4 KiB (10,000 subscribers: 298 → 321 MiB).
+    """
+
+    fast_path: Callable[[dict, Callable], Iterable[bytes] | None] | None = None
+
+    def __call__(self, environ: dict, start_response: Callable) -> Iterable[bytes]:
+        if self.fast_path is not None:
+            answer = self.fast_path(environ, start_response)
+            if answer is not None:
+                return answer
+        return self.wsgi_app(environ, start_response)
+
+
 def create_app(settings: Settings, store: StreamStore | None = None) -> Flask:
-    app = Flask(__name__)
+    app = StreamApp(__name__)
     app.response_class = Response
     app.config["MAX_CONTENT_LENGTH"] = settings.max_request_bytes
     app.url_map.merge_slashes = False
     app.url_map.strict_slashes = False
     from auth import register_auth  # here: it builds on this module; first, so it runs first
 
-    register_auth(app, settings)
+    verifier = register_auth(app, settings)
     store = store or create_store(settings)
     app.extensions["picomq.store"] = store
     views = StreamViews(store, settings)
@@ -399,8 +441,7 @@ def create_app(settings: Settings, store: StreamStore | None = None) -> Flask:
 
     @app.after_request
     def add_common_headers(response: Response) -> Response:
-        response.headers.update(SECURITY_HEADERS)
-        response.headers.update(CORS_HEADERS)
+        response.headers.update(COMMON_HEADERS)
         return response
 
     @app.errorhandler(HTTPException)
@@ -413,6 +454,9 @@ def create_app(settings: Settings, store: StreamStore | None = None) -> Flask:
         log.exception("unexpected error on %s %s", request.method, request.path)
         return error_response(500, "internal_error", "internal server error")
 
+    from fastpath import FastAppends  # here: it builds on this module
+
+    app.fast_path = FastAppends(views, settings.max_request_bytes, verifier)
     return app
 
 
@@ -487,7 +531,7 @@ class StreamViews:
         sub_offset = headers.get(FORK_SUB_OFFSET)
         if fork_source is None and (fork_offset is not None or sub_offset is not None):
             raise BadRequest(f"{FORK_OFFSET} and {FORK_SUB_OFFSET} need {FORKED_FROM}")
-        content_type = parse_content_type(required=False)
+        content_type = parse_content_type(request.headers.get("Content-Type"), required=False)
         if fork_source is None:
             content_type = content_type or DEFAULT_CONTENT_TYPE
         body = read_body()
@@ -521,12 +565,15 @@ class StreamViews:
     # -- POST -----------------------------------------------------------------------
 
     def append(self, path: str) -> Response:
+        failure = request.environ.get(FAST_APPEND_FAILURE)
+        if failure is not None:  # the fast path's store call failed: answer as if it were ours
+            raise failure
         close = parse_flag(CLOSED)
         body = read_body()
         if not body and not close:
             raise BadRequest("an append needs a body (or Stream-Closed: true to close)")
         payload = None
-        content_type = parse_content_type(required=bool(body))
+        content_type = parse_content_type(request.headers.get("Content-Type"), bool(body))
         if body:
             try:
                 payload = self.parse_payload(content_type, body, allow_empty=False)
@@ -538,18 +585,7 @@ class StreamViews:
         result = self.store.append(
             path, AppendRequest(content_type, payload, close, producer, stream_seq)
         )
-        info = result.info
-        headers = {NEXT_OFFSET: format_offset(info.tail)}
-        if info.closed:
-            headers[CLOSED] = "true"
-        if result.producer is not None:
-            headers[PRODUCER_EPOCH] = str(result.producer.epoch)
-            headers[PRODUCER_SEQ] = str(result.producer.seq)
-            if result.duplicate:
-                del headers[NEXT_OFFSET]
-        status = (
-            200 if producer is not None and payload is not None and not result.duplicate else 204
-        )
+        status, headers = append_answer(result, producer is not None and payload is not None)
         return Response(status=status, headers=headers)
 
     def raise_conflict_before_bad_body(self, path: str, content_type: str | None) -> None:

@@ -1,0 +1,136 @@
+"""Plain appends, answered before Flask's request machinery starts.
+
+Most requests a stream server takes are plain appends: a POST to a stream with a body
+of declared length and a Content-Type; no query; no producer, Stream-Closed or
+Stream-Seq header; and, when tokens are checked, a bearer token that grants the
+append. Through Flask, such an append paid more for Flask than for itself: one
+100-byte message cost the worker 490 µs, of which the store's work, body read and
+JSON split included, was about 190 µs (bench/ceiling.py: 2,080 appends/s on one
+stream against 5,340 with the store behind a bare WSGI callable; batches of 1,000
+messages 94 against 127 MB/s). So they are served here, from the WSGI environ,
+through the calls the view makes, with the status, headers, metrics and access line
+that the view and the request hooks give.
+
+Everything else is Flask's, and so is every refusal:
+- a request that is not a plain append goes to Flask untouched (so does one whose token
+  is missing, invalid or short of the grant: auth.py refuses it, counts and logs it);
+- one this path gives up on before the store call (a bad path, type or body) goes to
+  Flask with its body, already read, put back: the view parses it again and answers;
+- when the store call itself fails, the data may have been written, so the append is
+  not made again: the view is handed the failure and raises it (`FAST_APPEND_FAILURE`).
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from collections.abc import Callable, Iterable
+
+from werkzeug.http import HTTP_STATUS_CODES
+
+from auth import PRIVATE_ANSWER_HEADERS, Verifier, bearer_credentials
+from logs import REQUEST_ID_HEADER, log_request, request_id_from
+from metrics import count_append, get_metrics
+from picomq import (
+    CLOSED,
+    COMMON_HEADERS,
+    FAST_APPEND_FAILURE,
+    PRODUCER_EPOCH,
+    PRODUCER_ID,
+    PRODUCER_SEQ,
+    RESERVED_PREFIX,
+    STREAM_PREFIX,
+    STREAM_SEQ,
+    BadRequest,
+    StreamViews,
+    append_answer,
+    parse_content_type,
+    parse_stream_path,
+    read_up_to,
+)
+from storage import AppendRequest
+
+# Headers that make an append more than plain: the view handles them.
+NOT_PLAIN = tuple(
+    "HTTP_" + name.upper().replace("-", "_")
+    for name in (CLOSED, PRODUCER_ID, PRODUCER_EPOCH, PRODUCER_SEQ, STREAM_SEQ, "Transfer-Encoding")
+)
+
+
+class FastAppends:
+    """The WSGI answer to plain appends; None for every request Flask must serve."""
+
+    def __init__(self, views: StreamViews, max_body_bytes: int, verifier: Verifier | None) -> None:
+        """`verifier`: the tokens' checker when tokens are checked, else None."""
+        self.views = views
+        self.store = views.store
+        self.max_body_bytes = max_body_bytes
+        self.verifier = verifier
+        # Headers after the request id: a token-checked answer is private, as in Flask.
+        self.closing_headers = PRIVATE_ANSWER_HEADERS if verifier is not None else ()
+        self.metrics = get_metrics()
+
+    def __call__(self, environ: dict, start_response: Callable) -> Iterable[bytes] | None:
+        path = self.plain_append_path(environ)
+        if path is None or not self.grants_append(environ, path):
+            return None
+        started = time.perf_counter()
+        length = int(environ["CONTENT_LENGTH"])
+        body = read_up_to(environ["wsgi.input"], length)
+        try:
+            if len(body) < length:
+                raise BadRequest("the body ended early")  # the view words the answer
+            content_type = parse_content_type(environ.get("CONTENT_TYPE"), required=True)
+            payload = self.views.parse_payload(content_type, body, allow_empty=False)
+        except BadRequest:
+            environ["wsgi.input"] = io.BytesIO(body)
+            return None
+        try:
+            result = self.store.append(
+                path, AppendRequest(content_type, payload, False, None, None)
+            )
+        except Exception as error:  # noqa: BLE001 - the view raises it as its own
+            environ[FAST_APPEND_FAILURE] = error
+            return None
+        status, headers = append_answer(result, produced_data=False)
+        request_id = request_id_from(environ.get("HTTP_X_REQUEST_ID"))
+        start_response(
+            f"{status} {HTTP_STATUS_CODES[status].upper()}",  # as werkzeug words it
+            [
+                *headers.items(),
+                *COMMON_HEADERS,
+                (REQUEST_ID_HEADER, request_id),
+                *self.closing_headers,
+            ],
+        )
+        count_append(self.metrics, content_type, length)
+        remote_addr = environ.get("REMOTE_ADDR")
+        log_request("POST", environ["PATH_INFO"], {}, status, remote_addr, started, request_id)
+        return []
+
+    def grants_append(self, environ: dict, path: str) -> bool:
+        """True when no token is needed, or the request's bearer token grants the append."""
+        if self.verifier is None:
+            return True
+        token = bearer_credentials(environ.get("HTTP_AUTHORIZATION", ""))
+        return bool(token) and self.verifier.allows(token, "append", path)
+
+    def plain_append_path(self, environ: dict) -> str | None:
+        """The stream path of a plain append; None for any other request."""
+        if environ["REQUEST_METHOD"] != "POST" or environ.get("QUERY_STRING"):
+            return None
+        path_info = environ.get("PATH_INFO", "")
+        length = environ.get("CONTENT_LENGTH", "")
+        if not (path_info.startswith(STREAM_PREFIX) and path_info.isascii()):
+            return None  # werkzeug decodes a path of other characters its own way
+        if not (length.isascii() and length.isdigit() and 0 < int(length) <= self.max_body_bytes):
+            return None
+        if any(name in environ for name in NOT_PLAIN):
+            return None
+        path = path_info[len(STREAM_PREFIX) :]
+        if path.split("/", 1)[0] == RESERVED_PREFIX:
+            return None
+        try:
+            return parse_stream_path(path)
+        except BadRequest:
+            return None
