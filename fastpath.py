@@ -14,8 +14,9 @@ that the view and the request hooks give.
 Everything else is Flask's, and so is every refusal:
 - a request that is not a plain append goes to Flask untouched (so does one whose token
   is missing, invalid or short of the grant: auth.py refuses it, counts and logs it);
-- one this path gives up on before the store call (a bad path, type or body) goes to
-  Flask with its body, already read, put back: the view parses it again and answers;
+- one this path gives up on before the store call (a bad path, type or body, or any
+  other exception) goes to Flask with its body, already read, put back: the view
+  parses it again and answers;
 - when the store call itself fails, the data may have been written, so the append is
   not made again: the view is handed the failure and raises it (`FAST_APPEND_FAILURE`).
 """
@@ -82,7 +83,7 @@ class FastAppends:
                 raise BadRequest("the body ended early")  # the view words the answer
             content_type = parse_content_type(environ.get("CONTENT_TYPE"), required=True)
             payload = self.views.parse_payload(content_type, body, allow_empty=False)
-        except BadRequest:
+        except Exception:  # noqa: BLE001 - the view meets it again, and answers as always
             environ["wsgi.input"] = io.BytesIO(body)
             return None
         try:

@@ -413,7 +413,7 @@ class StreamApp(Flask):
         return self.wsgi_app(environ, start_response)
 
 
-def create_app(settings: Settings, store: StreamStore | None = None) -> Flask:
+def create_app(settings: Settings, store: StreamStore | None = None) -> StreamApp:
     app = StreamApp(__name__)
     app.response_class = Response
     app.config["MAX_CONTENT_LENGTH"] = settings.max_request_bytes

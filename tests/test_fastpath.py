@@ -200,6 +200,26 @@ def test_a_bad_body_on_a_closed_stream_is_409_as_through_flask(app: Flask) -> No
     assert response.headers["Stream-Closed"] == "true"
 
 
+def test_an_unexpected_error_before_the_store_call_is_met_again_by_the_view(
+    app: Flask, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing is written before the store call, so Flask replays it and answers 500."""
+    views = app.view_functions["stream"].__self__
+    calls = []
+
+    def broken(*args: object, **kwargs: object) -> None:
+        calls.append(args)
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(views, "parse_payload", broken)
+    answers = answers_of_fast_path(app)
+    response = Client(app).post("/v1/stream/s", data=b"[1]", headers=JSON)
+    assert answers == [None]
+    assert len(calls) == 2
+    assert response.status_code == 500
+    assert response.json["error"]["code"] == "internal_error"
+
+
 @pytest.mark.parametrize(
     ("failure", "status", "code"),
     [
