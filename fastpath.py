@@ -49,7 +49,7 @@ from picomq import (
     parse_stream_path,
     read_up_to,
 )
-from storage import AppendRequest
+from storage import AppendRequest, AppendResult
 
 # Headers that make an append more than plain: the view handles them.
 NOT_PLAIN = tuple(
@@ -93,6 +93,18 @@ class FastAppends:
         except Exception as error:  # noqa: BLE001 - the view raises it as its own
             environ[FAST_APPEND_FAILURE] = error
             return None
+        self.answer(environ, start_response, result, content_type, started)
+        return []
+
+    def answer(
+        self,
+        environ: dict,
+        start_response: Callable,
+        result: AppendResult,
+        content_type: str,
+        started: float,
+    ) -> None:
+        """What the view and the request hooks do once an append has succeeded."""
         status, headers = append_answer(result, produced_data=False)
         request_id = request_id_from(environ.get("HTTP_X_REQUEST_ID"))
         start_response(
@@ -104,10 +116,9 @@ class FastAppends:
                 *self.closing_headers,
             ],
         )
-        count_append(self.metrics, content_type, length)
+        count_append(self.metrics, content_type, int(environ["CONTENT_LENGTH"]))
         remote_addr = environ.get("REMOTE_ADDR")
         log_request("POST", environ["PATH_INFO"], {}, status, remote_addr, started, request_id)
-        return []
 
     def grants_append(self, environ: dict, path: str) -> bool:
         """True when no token is needed, or the request's bearer token grants the append."""
