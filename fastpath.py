@@ -1,9 +1,9 @@
 """Plain appends, answered before Flask's request machinery starts.
 
 Most requests a stream server takes are plain appends: a POST to a stream with a body
-of declared length and a Content-Type; no query; no producer, Stream-Closed or
-Stream-Seq header; and, when tokens are checked, a bearer token that grants the
-append. Through Flask, such an append paid more for Flask than for itself: one
+of declared length and a Content-Type, from an idempotent producer or not; no query, no
+Stream-Closed or Stream-Seq header; and, when tokens are checked, a bearer token that
+grants the append. Through Flask, such an append paid more for Flask than for itself: one
 100-byte message cost the worker 490 µs, of which the store's work, body read and
 JSON split included, was about 190 µs (bench/ceiling.py: 2,080 appends/s on one
 stream against 5,340 with the store behind a bare WSGI callable; batches of 1,000
@@ -46,16 +46,20 @@ from picomq import (
     StreamViews,
     append_answer,
     parse_content_type,
+    parse_producer,
     parse_stream_path,
     read_up_to,
 )
 from storage import AppendRequest, AppendResult
 
+
+def environ_key(header: str) -> str:
+    return "HTTP_" + header.upper().replace("-", "_")
+
+
 # Headers that make an append more than plain: the view handles them.
-NOT_PLAIN = tuple(
-    "HTTP_" + name.upper().replace("-", "_")
-    for name in (CLOSED, PRODUCER_ID, PRODUCER_EPOCH, PRODUCER_SEQ, STREAM_SEQ, "Transfer-Encoding")
-)
+NOT_PLAIN = tuple(map(environ_key, (CLOSED, STREAM_SEQ, "Transfer-Encoding")))
+PRODUCER_KEYS = tuple(map(environ_key, (PRODUCER_ID, PRODUCER_EPOCH, PRODUCER_SEQ)))
 
 
 class FastAppends:
@@ -83,17 +87,18 @@ class FastAppends:
                 raise BadRequest("the body ended early")  # the view words the answer
             content_type = parse_content_type(environ.get("CONTENT_TYPE"), required=True)
             payload = self.views.parse_payload(content_type, body, allow_empty=False)
+            producer = parse_producer(*map(environ.get, PRODUCER_KEYS))
         except Exception:  # noqa: BLE001 - the view meets it again, and answers as always
             environ["wsgi.input"] = io.BytesIO(body)
             return None
         try:
             result = self.store.append(
-                path, AppendRequest(content_type, payload, False, None, None)
+                path, AppendRequest(content_type, payload, False, producer, None)
             )
         except Exception as error:  # noqa: BLE001 - the view raises it as its own
             environ[FAST_APPEND_FAILURE] = error
             return None
-        self.answer(environ, start_response, result, content_type, started)
+        self.answer(environ, start_response, result, producer is not None, content_type, started)
         return []
 
     def answer(
@@ -101,11 +106,12 @@ class FastAppends:
         environ: dict,
         start_response: Callable,
         result: AppendResult,
+        produced: bool,
         content_type: str,
         started: float,
     ) -> None:
         """What the view and the request hooks do once an append has succeeded."""
-        status, headers = append_answer(result, produced_data=False)
+        status, headers = append_answer(result, produced_data=produced)
         request_id = request_id_from(environ.get("HTTP_X_REQUEST_ID"))
         start_response(
             f"{status} {HTTP_STATUS_CODES[status].upper()}",  # as werkzeug words it
@@ -114,6 +120,8 @@ class FastAppends:
                 *COMMON_HEADERS,
                 (REQUEST_ID_HEADER, request_id),
                 *self.closing_headers,
+                # As werkzeug sends an empty body: no length on a 204, "0" on a 200.
+                *(() if status == 204 else (("Content-Length", "0"),)),
             ],
         )
         count_append(self.metrics, content_type, int(environ["CONTENT_LENGTH"]))

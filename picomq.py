@@ -285,14 +285,12 @@ def too_deep(max_depth: int) -> BadRequest:
     return BadRequest(f"body is not valid JSON or nests deeper than {max_depth} levels")
 
 
-def parse_producer() -> Producer | None:
-    names = (PRODUCER_ID, PRODUCER_EPOCH, PRODUCER_SEQ)
-    values = [request.headers.get(name) for name in names]
-    if all(value is None for value in values):
+def parse_producer(producer_id: str | None, epoch: str | None, seq: str | None) -> Producer | None:
+    """The idempotent producer of an append, from its three headers' values (or none)."""
+    if producer_id is None and epoch is None and seq is None:
         return None
-    if any(value is None for value in values):
+    if producer_id is None or epoch is None or seq is None:
         raise BadRequest("Producer-Id, Producer-Epoch and Producer-Seq go together")
-    producer_id, epoch, seq = values
     if not producer_id.strip():
         raise BadRequest("Producer-Id must not be empty")
     return Producer(
@@ -580,7 +578,9 @@ class StreamViews:
             except BadRequest:
                 self.raise_conflict_before_bad_body(path, content_type)
                 raise
-        producer = parse_producer()
+        producer = parse_producer(
+            *(request.headers.get(name) for name in (PRODUCER_ID, PRODUCER_EPOCH, PRODUCER_SEQ))
+        )
         stream_seq = request.headers.get(STREAM_SEQ)
         result = self.store.append(
             path, AppendRequest(content_type, payload, close, producer, stream_seq)

@@ -117,6 +117,49 @@ def test_a_plain_append_gets_the_answer_flask_gives(
     assert read.data == b'[{"n":1},{"n":2},{"n":1},{"n":2}]'
 
 
+def producer(epoch: int, seq: int) -> dict[str, str]:
+    return {**JSON, "Producer-Id": "p1", "Producer-Epoch": str(epoch), "Producer-Seq": str(seq)}
+
+
+def test_a_producers_appends_get_the_answers_flask_gives(app: Flask) -> None:
+    """New data, a duplicate, a fenced epoch, a gap: the fast path first, then Flask alone."""
+    answers = answers_of_fast_path(app)
+    for fast_headers, flask_headers, status, differ in (
+        (producer(1, 0), producer(1, 1), 200, {"producer-seq", "stream-next-offset"}),
+        (producer(1, 1), producer(1, 1), 204, set()),  # duplicates: no Stream-Next-Offset
+        (producer(0, 2), producer(0, 2), 403, set()),  # an older epoch: fenced
+        (producer(1, 5), producer(1, 5), 409, set()),  # a gap in the sequence
+    ):
+        fast = Client(app).post("/v1/stream/s", data=b"[1]", headers=fast_headers)
+        flask = Client(app.wsgi_app).post("/v1/stream/s", data=b"[1]", headers=flask_headers)
+        assert fast.status_code == flask.status_code == status
+        assert [name for name, _ in fast.headers] == [name for name, _ in flask.headers]
+        fast_static, flask_static = (
+            {n: v for n, v in r.headers if n.lower() not in differ | {"x-request-id"}}
+            for r in (fast, flask)
+        )
+        assert fast_static == flask_static
+        assert fast.data == flask.data
+    assert answers == [[], [], None, None]  # the two refusals were handed to the view
+    assert Client(app).get("/v1/stream/s?offset=-1").data == b"[1,1]"
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {**JSON, "Producer-Id": "p1"},
+        {**JSON, "Producer-Id": "p1", "Producer-Epoch": "0", "Producer-Seq": "x"},
+        {**JSON, "Producer-Id": " ", "Producer-Epoch": "0", "Producer-Seq": "0"},
+    ],
+)
+def test_a_malformed_producer_is_refused_by_flask(app: Flask, headers: dict[str, str]) -> None:
+    answers = answers_of_fast_path(app)
+    response = Client(app).post("/v1/stream/s", data=b"[1]", headers=headers)
+    assert answers == [None]
+    assert response.status_code == 400
+    assert "Producer" in response.json["error"]["message"]
+
+
 def test_a_sane_request_id_is_echoed(app: Flask) -> None:
     answers = answers_of_fast_path(app)
     headers = {**JSON, "X-Request-Id": "run-42.step:7"}
@@ -134,9 +177,6 @@ def test_a_sane_request_id_is_echoed(app: Flask) -> None:
     [
         ("a read", "GET", "/v1/stream/s", {}),
         ("a query", "POST", "/v1/stream/s?via=flask", JSON),
-        ("a producer", "POST", "/v1/stream/s", {**JSON, "Producer-Id": "p"}),
-        ("an epoch", "POST", "/v1/stream/s", {**JSON, "Producer-Epoch": "0"}),
-        ("a sequence", "POST", "/v1/stream/s", {**JSON, "Producer-Seq": "0"}),
         ("a close", "POST", "/v1/stream/s", {**JSON, "Stream-Closed": "true"}),
         ("a Stream-Seq", "POST", "/v1/stream/s", {**JSON, "Stream-Seq": "a"}),
         ("chunks", "POST", "/v1/stream/s", {**JSON, "Transfer-Encoding": "chunked"}),
