@@ -36,9 +36,7 @@ from picomq import (
     CLOSED,
     COMMON_HEADERS,
     FAST_APPEND_FAILURE,
-    PRODUCER_EPOCH,
-    PRODUCER_ID,
-    PRODUCER_SEQ,
+    PRODUCER_HEADERS,
     RESERVED_PREFIX,
     STREAM_PREFIX,
     STREAM_SEQ,
@@ -59,7 +57,7 @@ def environ_key(header: str) -> str:
 
 # Headers that make an append more than plain: the view handles them.
 NOT_PLAIN = tuple(map(environ_key, (CLOSED, STREAM_SEQ, "Transfer-Encoding")))
-PRODUCER_KEYS = tuple(map(environ_key, (PRODUCER_ID, PRODUCER_EPOCH, PRODUCER_SEQ)))
+PRODUCER_KEYS = tuple(map(environ_key, PRODUCER_HEADERS))
 
 
 class FastAppends:
@@ -98,7 +96,8 @@ class FastAppends:
         except Exception as error:  # noqa: BLE001 - the view raises it as its own
             environ[FAST_APPEND_FAILURE] = error
             return None
-        self.answer(environ, start_response, result, producer is not None, content_type, started)
+        produced = producer is not None
+        self.answer(environ, start_response, result, produced, content_type, length, started)
         return []
 
     def answer(
@@ -108,6 +107,7 @@ class FastAppends:
         result: AppendResult,
         produced: bool,
         content_type: str,
+        body_bytes: int,
         started: float,
     ) -> None:
         """What the view and the request hooks do once an append has succeeded."""
@@ -124,7 +124,7 @@ class FastAppends:
                 *(() if status == 204 else (("Content-Length", "0"),)),
             ],
         )
-        count_append(self.metrics, content_type, int(environ["CONTENT_LENGTH"]))
+        count_append(self.metrics, content_type, body_bytes)
         remote_addr = environ.get("REMOTE_ADDR")
         log_request("POST", environ["PATH_INFO"], {}, status, remote_addr, started, request_id)
 

@@ -159,11 +159,7 @@ def count_response(metrics: Metrics, response: Response) -> None:
         metrics.errors.labels(str(status)).inc()
         if is_auth_failure(response):
             metrics.auth_failures.inc()
-    elif (
-        request.method == "POST"
-        and request.path.startswith(STREAM_PREFIX)
-        and not request.path.startswith(RESERVED_PREFIX)
-    ):
+    elif request.method == "POST" and is_append_path(request.path):
         count_append(metrics, request.headers.get("Content-Type"), request.content_length or 0)
     live_mode = g.pop("live_mode", None)
     if live_mode is not None:  # an SSE body is still to come: the connection ends on close
@@ -175,6 +171,10 @@ def release_live_connection(metrics: Metrics) -> None:
     live_mode = g.pop("live_mode", None)
     if live_mode is not None:
         metrics.live_connections.labels(live_mode).dec()
+
+
+def is_append_path(path: str) -> bool:
+    return path.startswith(STREAM_PREFIX) and not path.startswith(RESERVED_PREFIX)
 
 
 def count_append(metrics: Metrics, content_type: str | None, size: int) -> None:

@@ -103,6 +103,7 @@ SECURITY_HEADERS = {
     "Cross-Origin-Resource-Policy": "cross-origin",
 }
 COMMON_HEADERS = (*SECURITY_HEADERS.items(), *CORS_HEADERS.items())  # on every response
+PRODUCER_HEADERS = (PRODUCER_ID, PRODUCER_EPOCH, PRODUCER_SEQ)  # parse_producer's arguments
 # fastpath.py hands a plain append whose store call failed to the view under this key.
 FAST_APPEND_FAILURE = "picomq.fast_append_failure"
 CACHEABLE = "public, max-age=60, stale-while-revalidate=300"
@@ -578,9 +579,7 @@ class StreamViews:
             except BadRequest:
                 self.raise_conflict_before_bad_body(path, content_type)
                 raise
-        producer = parse_producer(
-            *(request.headers.get(name) for name in (PRODUCER_ID, PRODUCER_EPOCH, PRODUCER_SEQ))
-        )
+        producer = parse_producer(*(request.headers.get(name) for name in PRODUCER_HEADERS))
         stream_seq = request.headers.get(STREAM_SEQ)
         result = self.store.append(
             path, AppendRequest(content_type, payload, close, producer, stream_seq)
