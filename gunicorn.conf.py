@@ -24,7 +24,7 @@ except SettingsError as error:
 
 bind = settings.bind
 workers = settings.workers
-worker_class = "worker.EagerSendWorker"  # gevent's worker, one call per small send
+worker_class = "worker.PicoMQWorker"  # gevent pywsgi, with gunicorn's limits (worker.py)
 # Above PICOMQ_MAX_LIVE_CONNECTIONS, so producers still get in when every live slot is
 # taken; the process needs as many file descriptors (LimitNOFILE in deploy/).
 worker_connections = settings.max_live_connections + 5_000
@@ -34,7 +34,7 @@ timeout = 30
 graceful_timeout = 75
 keepalive = 5  # short: an idle keep-alive connection delays a graceful stop
 control_socket_disable = True
-# Past these gunicorn itself answers 431, 414 or 400 (in JSON: worker.py); the app never
+# Past these the worker itself answers 431, 414 or 400 (in JSON: worker.py); the app never
 # sees the request.
 # A request line of 8190 bytes (gunicorn's most) fits the longest stream path, percent-
 # encoded, plus the read parameters and an access_token.

@@ -169,13 +169,13 @@ SETTINGS: tuple[Setting, ...] = (
         "max_header_bytes",
         "8190",
         _positive_int,
-        "Longest request header line gunicorn accepts, in bytes; longer gets gunicorn's 431.",
+        "Longest request header line accepted, in bytes; longer gets a 431.",
     ),
     Setting(
         "max_headers",
         "100",
         _positive_int,
-        "Most header fields in one request; more gets gunicorn's 431.",
+        "Most header fields in one request; more gets a 431.",
     ),
     Setting(
         "max_live_connections",

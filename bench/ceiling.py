@@ -1,7 +1,7 @@
 """Measure the floors under PicoMQ's append rates and live latency on this machine.
 
 1. The stack. A trivial Flask app (bench/trivial_app.py: read the body, answer 204),
-   served exactly as PicoMQ is (`gunicorn -c gunicorn.conf.py`, one EagerSendWorker,
+   served exactly as PicoMQ is (`gunicorn -c gunicorn.conf.py`, one PicoMQWorker,
    pinned to the server core), takes compare.py's appends-1 load: wrk, 64 connections,
    one 100-byte JSON message per POST, on the client core. Then PicoMQ itself, one
    stream, takes the same load. No Flask handler served this way answers faster than

@@ -1,21 +1,39 @@
-"""The gunicorn worker (worker.py): every byte of a write arrives, in order, once.
+"""The gunicorn worker (worker.py).
 
-The eager send takes what the kernel accepts at once and leaves the rest to gevent's
-sendall; these tests make the kernel take only part of a write, so both halves run.
+Every byte of a write arrives, in order, once: the eager send takes what the kernel
+accepts at once and leaves the rest to gevent's sendall; these tests make the kernel
+take only part of a write, so both halves run.
+
+Before the app sees a request, the worker refuses heads a proxy could read apart, in
+JSON, and lets go of connections that send nothing. Those requests go over raw sockets:
+HTTP clients would not send these heads.
 """
 
 from __future__ import annotations
 
+import http.client
 import socket
+import time
+import uuid
+from urllib.parse import urlsplit
 
 import gevent
+import pytest
 import requests
 from conftest import Server
 from gevent import socket as gevent_socket
+from test_limits import (
+    SOCKET_TIMEOUT_SECONDS,
+    RawResponse,
+    assert_server_answers,
+    json_error_problem,
+)
 
 from worker import EagerSendSocket
 
 SMALL_SEND_BUFFER = 4096
+KEEPALIVE_SECONDS = 5  # gunicorn.conf.py's keepalive: the worker's limit on reading a head
+GRACE_SECONDS = 20
 
 
 def connected_pair() -> tuple[gevent_socket.socket, gevent_socket.socket]:
@@ -79,4 +97,117 @@ def test_a_write_to_a_closed_peer_raises() -> None:
 
 def test_the_server_runs_this_worker(server: Server) -> None:
     assert requests.get(f"{server.url}/healthz", timeout=10).status_code == 200
-    assert "Using worker: worker.EagerSendWorker" in server.managed.output()
+    assert "Using worker: worker.PicoMQWorker" in server.managed.output()
+
+
+def connect(server: Server) -> socket.socket:
+    port = urlsplit(server.url).port
+    return socket.create_connection(("127.0.0.1", port), timeout=SOCKET_TIMEOUT_SECONDS)
+
+
+def send_head(server: Server, head: bytes, body: bytes = b"") -> RawResponse:
+    """`head` (request line and header lines, CRLF-ended) as given, then `body`."""
+    with connect(server) as sock:
+        sock.sendall(head + b"\r\n" + body)
+        response = http.client.HTTPResponse(sock, method="POST")
+        response.begin()
+        try:
+            return RawResponse(response.status, response.headers, response.read())
+        finally:
+            response.close()
+
+
+def created_stream(server: Server) -> tuple[str, bytes]:
+    url = server.stream_url(f"worker-{uuid.uuid4().hex[:12]}")
+    response = requests.put(url, headers={"Content-Type": "text/plain"}, timeout=10)
+    assert response.status_code == 201, response.content
+    return url, urlsplit(url).path.encode()
+
+
+AMBIGUOUS_HEADS = {
+    "length and chunked": [b"Content-Length: 5", b"Transfer-Encoding: chunked"],
+    "two lengths": [b"Content-Length: 5", b"Content-Length: 5"],
+    "signed length": [b"Content-Length: +5"],
+    "length with underscore": [b"Content-Length: 0_5"],
+    "coding other than chunked": [b"Transfer-Encoding: gzip, chunked"],
+    "two codings": [b"Transfer-Encoding: chunked", b"Transfer-Encoding: chunked"],
+    "space before colon": [b"Content-Length : 5"],
+    "folded line": [b"Content-Length: 5", b"X-Note: one", b" two"],
+    "line without colon": [b"Content-Length: 5", b"no colon here"],
+}
+
+
+@pytest.mark.parametrize("lines", AMBIGUOUS_HEADS.values(), ids=AMBIGUOUS_HEADS.keys())
+def test_a_head_a_proxy_could_read_apart_is_refused_in_json_and_stores_nothing(
+    server: Server, lines: list[bytes]
+) -> None:
+    url, path = created_stream(server)
+    head = b"POST " + path + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: text/plain\r\n"
+    response = send_head(server, head + b"".join(line + b"\r\n" for line in lines), b"hello")
+    assert response.status == 400, (response.status, response.body)
+    assert not json_error_problem(response), json_error_problem(response)
+    assert response.headers["Connection"] == "close"
+    assert requests.get(url, params={"offset": "-1"}, timeout=10).content == b""
+    assert_server_answers(server)
+
+
+def test_a_head_request_with_a_body_is_refused(server: Server) -> None:
+    _, path = created_stream(server)
+    head = b"HEAD " + path + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 5\r\n"
+    with connect(server) as sock:
+        sock.sendall(head + b"\r\nhello")
+        response = http.client.HTTPResponse(sock, method="GET")  # GET: read the body
+        response.begin()
+        body = response.read()
+    assert response.status == 400, (response.status, body)
+    assert b"Unexpected Content-Length" in body, body
+    assert_server_answers(server)
+
+
+def test_a_plain_chunked_body_is_still_appended(server: Server) -> None:
+    url, path = created_stream(server)
+    head = (
+        b"POST " + path + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+        b"Content-Type: text/plain\r\nTransfer-Encoding: chunked\r\n"
+    )
+    response = send_head(server, head, b"5\r\nhello\r\n0\r\n\r\n")
+    assert response.status == 204, (response.status, response.body)
+    assert requests.get(url, params={"offset": "-1"}, timeout=10).content == b"hello"
+
+
+def test_a_target_that_is_not_a_path_is_refused(server: Server) -> None:
+    response = send_head(server, b"GET http://127.0.0.1/v1/stream/x HTTP/1.1\r\nHost: a\r\n")
+    assert response.status == 400, (response.status, response.body)
+    assert not json_error_problem(response), json_error_problem(response)
+
+
+def closed_after(sock: socket.socket, first: bytes) -> float:
+    """Seconds from sending `first` until the server closes the connection unanswered."""
+    sock.settimeout(KEEPALIVE_SECONDS + GRACE_SECONDS)
+    sent_at = time.monotonic()
+    sock.sendall(first)
+    assert sock.recv(1024) == b"", "the server answered a head it never got whole"
+    return time.monotonic() - sent_at
+
+
+@pytest.mark.parametrize(
+    "first", [b"", b"GET /v1/stream/x HTTP/1.1\r\nHost: 127.0.0.1\r\n"], ids=["idle", "half a head"]
+)
+def test_a_connection_that_sends_no_whole_head_is_let_go(server: Server, first: bytes) -> None:
+    """A slow or idle client does not hold a connection slot past the keepalive."""
+    with connect(server) as sock:
+        assert closed_after(sock, first) >= KEEPALIVE_SECONDS - 1
+    assert_server_answers(server)
+
+
+def test_a_kept_alive_connection_serves_requests_until_it_idles(server: Server) -> None:
+    url, path = created_stream(server)
+    request = b"GET " + path + b"?offset=-1 HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    with connect(server) as sock:
+        for _ in range(3):
+            sock.sendall(request)
+            response = http.client.HTTPResponse(sock, method="GET")
+            response.begin()
+            assert response.status == 200, response.read()
+            response.read()
+        assert closed_after(sock, b"") >= KEEPALIVE_SECONDS - 1
