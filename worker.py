@@ -198,8 +198,11 @@ class PicoMQHandler(PyWSGIHandler):
     def __init__(self, sock: gevent_socket.socket, address: Any, server: Any) -> None:
         sock.__class__ = EagerSendSocket
         super().__init__(sock, address, server, sock.makefile("rb", READ_BUFFER_BYTES))
-        # One timer a connection, started for each head: one a request cost 3 % (py-spy).
-        self.head_deadline = gevent.Timeout(self.limits.read_seconds, HeadTimedOut)
+        # One timer a connection, rearmed for each head: a new gevent.Timeout per request
+        # cost 3 % (py-spy), and a restarted Timeout keeps its first deadline (libev), so
+        # it would cut a busy kept-alive connection `read_seconds` after it opened.
+        seconds = self.limits.read_seconds
+        self.head_deadline = server.loop.timer(seconds, seconds)
 
     def handle_one_request(self) -> tuple[str, bytes] | bool | None:
         """As gunicorn's workers do, end each connection after its answer once the
@@ -231,10 +234,11 @@ class PicoMQHandler(PyWSGIHandler):
 
         The deadline runs on through read_request: the whole head must come in time."""
         limit = self.limits.request_line_bytes
-        self.head_deadline.start()
+        self.head_deadline.again(gevent.getcurrent().throw, HeadTimedOut)
         try:
             return self.rfile.readline(limit + 2)[: limit + 1].decode("latin-1")
         except HeadTimedOut:
+            self.head_deadline.stop()  # it repeats; the connection ends
             return ""
 
     def read_request(self, raw_requestline: str) -> bool:
@@ -247,7 +251,7 @@ class PicoMQHandler(PyWSGIHandler):
                 )
             super().read_request(raw_requestline)
         finally:
-            self.head_deadline.cancel()
+            self.head_deadline.stop()
         if not self.path.startswith("/"):
             raise RefusedHead(400, "Bad Request", "the request target must be a path")
         return True
