@@ -16,6 +16,8 @@
    behind a bare WSGI callable (bench/bare_append_app.py): each POST's body goes
    straight to the JSON split and `StreamStore.append`, with no Flask request, hooks,
    metrics or access line. The difference is what PicoMQ's HTTP layer costs an append.
+   Under all of these, a bare WSGI callable (`bench.trivial_app:bare`: read the body,
+   answer 204, no Flask) takes the single-append load: the most this worker serves.
    First of all, the trivial app answers one POST at a time on one connection: an HTTP
    round trip alone.
 2. Durability. Durable create-only writes of a 200-byte object as PicoMQ's local
@@ -114,6 +116,7 @@ BARE_STORE_APP = "bench.bare_append_app:app"
 STACKS: tuple[tuple[str, str, Callable[[Target, Options], Result], bool], ...] = (
     ("trivial_serial", "bench.trivial_app:app", serial_round_trips, False),
     ("trivial", "bench.trivial_app:app", wrk_trivial, False),
+    ("bare_wsgi", "bench.trivial_app:bare", wrk_trivial, False),
     ("picomq", "wsgi:app", loads.appends_one_stream, False),
     ("trivial_batch", "bench.trivial_app:app", wrk_trivial_batch, False),
     ("picomq_batch", "wsgi:app", loads.batched_appends, False),
@@ -405,6 +408,11 @@ def format_table(figures: dict[str, Figures], arguments: argparse.Namespace) -> 
             (("msgs_per_s", "requests/s (2xx)", "{:,.0f}"), *served),
         ),
         (
+            f"(1) bare WSGI callable (read the body, answer 204), {load}",
+            "bare_wsgi",
+            (("msgs_per_s", "requests/s (2xx)", "{:,.0f}"), *served),
+        ),
+        (
             f"(1) PicoMQ, 1 stream, {load}",
             "picomq",
             (("msgs_per_s", "messages/s (2xx)", "{:,.0f}"), *served),
@@ -468,10 +476,11 @@ def format_table(figures: dict[str, Figures], arguments: argparse.Namespace) -> 
             value = figures.get(key, {}).get(figure)
             cell = "—" if value is None else style.format(value)
             lines.append(f"| {title if row == 0 else ''} | {label} | {cell} |")
-    trivial, picomq = figures.get("trivial", {}), figures.get("picomq", {})
-    if trivial.get("msgs_per_s") and "msgs_per_s" in picomq:
-        ratio = picomq["msgs_per_s"] / trivial["msgs_per_s"]
-        lines.append(f"| (1) PicoMQ ÷ trivial app | requests/s | {ratio:.2f} |")
+    picomq = figures.get("picomq", {})
+    for floor, name in (("trivial", "trivial app"), ("bare_wsgi", "bare WSGI callable")):
+        if figures.get(floor, {}).get("msgs_per_s") and "msgs_per_s" in picomq:
+            ratio = picomq["msgs_per_s"] / figures[floor]["msgs_per_s"]
+            lines.append(f"| (1) PicoMQ ÷ {name} | requests/s | {ratio:.2f} |")
     for served_by, bare, figure, unit in (
         ("picomq", "bare_store", "msgs_per_s", "messages/s"),
         ("picomq_batch", "bare_store_batch", "mb_per_s", "MB/s"),
