@@ -12,11 +12,15 @@ and 5,400/s on this one; a bare WSGI app, 6,300 and 7,900/s on the two plain wor
 What gunicorn's parser did that pywsgi does not, this module does: the request line,
 header count and header line limits of gunicorn.conf.py (414, 431), a time limit on
 reading a request head (`keepalive`), and a refusal (400) of heads that a proxy in front
-could read differently: a target that is not a path, a malformed or repeated
-Content-Length, Content-Length beside Transfer-Encoding, a transfer coding other than
-chunked, folded header lines, header names with spaces, and (pywsgi's own rule) a HEAD
-with a body. Every refusal is JSON, in the shape of PicoMQ's other errors, and closes
-the connection.
+could read differently: a target that is not a path of printable ASCII, a malformed or
+repeated Content-Length, Content-Length beside Transfer-Encoding, a transfer coding
+other than chunked, Host or Content-Type given twice, folded header lines, header names
+that are not tokens, control characters in values, and (pywsgi's own rule) a HEAD with
+a body. Every refusal is JSON, in the shape of PicoMQ's other errors, and closes the
+connection. And as gunicorn's workers, it takes the scheme (wsgi.url_scheme, on which
+Location is built) from a trusted proxy's X-Forwarded-Proto and the like
+(`secure_scheme_headers` from a peer in `forwarded_allow_ips`), and ends keep-alive
+once the worker is stopping.
 
 Before every write, gevent's `sendall` asks the kernel for the socket's send-buffer
 size (to size its chunks) and reads the clock (for its timeout), then sends. An SSE
@@ -34,6 +38,7 @@ straight from the socket.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -52,6 +57,8 @@ HEADER_LINE = re.compile(
     rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*([^\x00-\x08\x0a-\x1f\x7f]*?)[ \t]*\r?\n"
 )
 CONTENT_LENGTH = re.compile(r"[0-9]+")
+TARGET_OUTSIDE_ASCII = re.compile(r"[^\x21-\x7e]")  # RFC 9112 3.2, as gunicorn refuses
+SINGLETON_FIELDS = ("host", "content-type")
 
 
 class EagerSendSocket(gevent_socket.socket):
@@ -81,6 +88,34 @@ class HeadLimits:
     header_count: int
     header_line_bytes: int
     read_seconds: float
+
+
+@dataclass(frozen=True)
+class Forwarding:
+    """Which peers may say, in which headers, that the client came over https."""
+
+    secure_scheme_headers: tuple[tuple[str, str], ...]  # (header, value that means https)
+    allowed_networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]
+    trust_all: bool
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> Forwarding:
+        allowed = cfg.forwarded_allow_ips
+        return cls(
+            secure_scheme_headers=tuple(cfg.secure_scheme_headers.items()),
+            allowed_networks=tuple(ipaddress.ip_network(ip) for ip in allowed if ip != "*"),
+            trust_all="*" in allowed,
+        )
+
+    def trusts(self, peer: Any) -> bool:
+        """As gunicorn: a peer on a Unix socket, or one whose IP is allowed."""
+        if not isinstance(peer, tuple) or self.trust_all:
+            return True
+        try:
+            address = ipaddress.ip_address(peer[0])
+        except ValueError:
+            return False
+        return any(address in network for network in self.allowed_networks)
 
 
 class RefusedHead(ValueError):
@@ -192,8 +227,11 @@ class ShortReadInput(Input):
 class PicoMQHandler(PyWSGIHandler):
     """pywsgi's handler, reading heads within HeadLimits and refusing them in JSON."""
 
-    limits = HeadLimits(8190, 100, 8190, 5.0)  # the worker sets gunicorn.conf.py's
-    worker: GeventPyWSGIWorker  # the worker sets itself: one per process
+    # The worker sets these from gunicorn's settings, and itself: one per process.
+    limits = HeadLimits(8190, 100, 8190, 5.0)
+    forwarding = Forwarding(secure_scheme_headers=(), allowed_networks=(), trust_all=False)
+    worker: GeventPyWSGIWorker
+    url_scheme: str | None = None
 
     def __init__(self, sock: gevent_socket.socket, address: Any, server: Any) -> None:
         sock.__class__ = EagerSendSocket
@@ -220,6 +258,8 @@ class PicoMQHandler(PyWSGIHandler):
     def get_environ(self) -> dict[str, Any]:
         environ = super().get_environ()
         self.wsgi_input.__class__ = ShortReadInput
+        if self.url_scheme is not None:
+            environ["wsgi.url_scheme"] = self.url_scheme
         return environ
 
     def handle(self) -> None:
@@ -252,13 +292,33 @@ class PicoMQHandler(PyWSGIHandler):
             super().read_request(raw_requestline)
         finally:
             self.head_deadline.stop()
-        if not self.path.startswith("/"):
-            raise RefusedHead(400, "Bad Request", "the request target must be a path")
+        if not self.path.startswith("/") or TARGET_OUTSIDE_ASCII.search(self.path):
+            raise RefusedHead(400, "Bad Request", "the request target must be an ASCII path")
+        self.url_scheme = self.forwarded_scheme()
         return True
 
+    def forwarded_scheme(self) -> str | None:
+        """The scheme a trusted proxy says the client used, as gunicorn's own workers take
+        it: gunicorn's secure_scheme_headers (X-Forwarded-Proto: https, ...), from a peer
+        in forwarded_allow_ips. PicoMQ's Location header is built on it."""
+        trust = self.forwarding
+        said = {
+            "https" if value == secure else "http"
+            for name, secure in trust.secure_scheme_headers
+            for value in self.headers.get_all(name)
+        }
+        if not said or not trust.trusts(self.client_address):
+            return None
+        if len(said) > 1:
+            raise RefusedHead(400, "Bad Request", "the scheme headers contradict each other")
+        return said.pop()
+
     @staticmethod
-    def refuse_ambiguous_body(headers: RequestHeaders) -> None:
-        """Refuse a head whose body length two HTTP implementations could read apart."""
+    def refuse_ambiguous_head(headers: RequestHeaders) -> None:
+        """Refuse a head that two HTTP implementations could read apart: its body's
+        length, or a field that admits one value only (RFC 9110 5.3) given twice."""
+        if any(len(headers.get_all(name)) > 1 for name in SINGLETON_FIELDS):
+            raise RefusedHead(400, "Bad Request", "Host or Content-Type given twice")
         lengths = headers.get_all("content-length")
         codings = headers.get_all("transfer-encoding")
         if codings and (lengths or [c.strip().lower() for c in codings] != ["chunked"]):
@@ -270,7 +330,7 @@ class PicoMQHandler(PyWSGIHandler):
 
     def MessageClass(self, rfile: Any, *args: Any) -> RequestHeaders:  # noqa: N802 (pywsgi's)
         headers = read_headers(rfile, self.limits)
-        self.refuse_ambiguous_body(headers)  # before pywsgi drops a length beside chunked
+        self.refuse_ambiguous_head(headers)  # before pywsgi drops a length beside chunked
         return headers
 
     def _headers(self) -> Iterator[tuple[str, str]]:
@@ -322,6 +382,7 @@ class PicoMQWorker(GeventPyWSGIWorker):
 
     def init_process(self) -> None:
         PicoMQHandler.worker = self
+        PicoMQHandler.forwarding = Forwarding.from_config(self.cfg)
         PicoMQHandler.limits = HeadLimits(
             request_line_bytes=self.cfg.limit_request_line,
             header_count=self.cfg.limit_request_fields,

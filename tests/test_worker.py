@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import gevent
 import pytest
 import requests
-from conftest import Server
+from conftest import Server, StartServer
 from gevent import socket as gevent_socket
 from test_limits import (
     SOCKET_TIMEOUT_SECONDS,
@@ -214,3 +214,55 @@ def test_a_kept_alive_connection_serves_requests_until_it_idles(server: Server) 
             response.read()
             time.sleep(1)
         assert closed_after(sock, b"") >= KEEPALIVE_SECONDS - 1
+
+
+def test_a_trusted_proxy_says_the_scheme_for_location(server: Server) -> None:
+    """gunicorn.conf.py trusts loopback (gunicorn's forwarded_allow_ips): a TLS proxy there
+    says https, and the Location of a new stream says it too."""
+    url = server.stream_url(f"worker-{uuid.uuid4().hex[:12]}")
+    forwarded = {"Content-Type": "text/plain", "X-Forwarded-Proto": "https"}
+    response = requests.put(url, headers=forwarded, timeout=10)
+    assert response.status_code == 201, response.content
+    assert response.headers["Location"] == "https" + url.removeprefix("http"), response.headers
+    plain = requests.put(url + "-plain", headers={"Content-Type": "text/plain"}, timeout=10)
+    assert plain.headers["Location"] == url + "-plain"
+
+
+def test_contradicting_scheme_headers_are_refused(server: Server) -> None:
+    url = server.stream_url(f"worker-{uuid.uuid4().hex[:12]}")
+    headers = {"Content-Type": "text/plain", "X-Forwarded-Proto": "https", "X-Forwarded-Ssl": "no"}
+    response = requests.put(url, headers=headers, timeout=10)
+    assert response.status_code == 400, response.content
+    assert b"contradict" in response.content
+    assert requests.head(url, timeout=10).status_code == 404
+
+
+def test_an_untrusted_peer_cannot_say_https(start_server: StartServer) -> None:
+    server = start_server(env={"GUNICORN_CMD_ARGS": "--forwarded-allow-ips=192.0.2.1"})
+    url = server.stream_url(f"worker-{uuid.uuid4().hex[:12]}")
+    forwarded = {"Content-Type": "text/plain", "X-Forwarded-Proto": "https"}
+    response = requests.put(url, headers=forwarded, timeout=10)
+    assert response.status_code == 201, response.content
+    assert response.headers["Location"] == url
+
+
+@pytest.mark.parametrize(
+    ("target", "lines"),
+    [
+        (b"", [b"Host: 127.0.0.1"]),  # with send_head's own Host: two
+        (b"", [b"Content-Type: text/plain"]),  # with send_head's own: two
+        ("/caf\u00e9".encode(), []),  # raw UTF-8 in the target, not percent-encoded
+    ],
+    ids=["two hosts", "two content types", "raw non-ascii target"],
+)
+def test_heads_gunicorn_refused_are_still_refused(
+    server: Server, target: bytes, lines: list[bytes]
+) -> None:
+    _, path = created_stream(server)
+    head = (
+        b"POST " + path + target + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b"Content-Type: text/plain\r\nContent-Length: 5\r\n"
+    )
+    response = send_head(server, head + b"".join(line + b"\r\n" for line in lines), b"hello")
+    assert response.status == 400, (response.status, response.body)
+    assert not json_error_problem(response), json_error_problem(response)
