@@ -227,9 +227,10 @@ class ShortReadInput(Input):
 class PicoMQHandler(PyWSGIHandler):
     """pywsgi's handler, reading heads within HeadLimits and refusing them in JSON."""
 
-    # The worker sets these from gunicorn's settings, and itself: one per process.
-    limits = HeadLimits(8190, 100, 8190, 5.0)
-    forwarding = Forwarding(secure_scheme_headers=(), allowed_networks=(), trust_all=False)
+    # PicoMQWorker.init_process sets these from gunicorn's settings, and itself: a worker
+    # process serves one handler class.
+    limits: HeadLimits
+    forwarding: Forwarding
     worker: GeventPyWSGIWorker
     url_scheme: str | None = None
 
