@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -47,7 +48,7 @@ from typing import Any
 import gevent
 import orjson
 from gevent import socket as gevent_socket
-from gevent.pywsgi import Input
+from gevent.pywsgi import Input, format_date_time
 from gunicorn.workers.ggevent import GeventPyWSGIWorker, PyWSGIHandler, PyWSGIServer
 
 READ_BUFFER_BYTES = 1024
@@ -224,6 +225,24 @@ class ShortReadInput(Input):
         return data
 
 
+class HttpDate:
+    """The Date header, formatted once a second: pywsgi formats it for every answer
+    (3.4 % of a single append's CPU time in py-spy)."""
+
+    def __init__(self) -> None:
+        self.second = -1
+        self.value = b""
+
+    def now(self) -> bytes:
+        second = int(time.time())
+        if second != self.second:
+            self.second, self.value = second, format_date_time(second)
+        return self.value
+
+
+HTTP_DATE = HttpDate()
+
+
 class PicoMQHandler(PyWSGIHandler):
     """pywsgi's handler, reading heads within HeadLimits and refusing them in JSON."""
 
@@ -255,6 +274,18 @@ class PicoMQHandler(PyWSGIHandler):
         if not self.worker.alive:
             headers = [*headers, ("Connection", "close")]
         return super().start_response(status, headers, exc_info)
+
+    def log_request(self) -> None:
+        """gunicorn's access line, only when its access log is on (PicoMQ writes its own):
+        it builds two datetimes and a response record before asking (3.8 % in py-spy)."""
+        if self.server.log.access_log_enabled:
+            super().log_request()
+
+    def finalize_headers(self) -> None:
+        if self.provided_date is None:
+            self.provided_date = HTTP_DATE.now()
+            self.response_headers.append((b"Date", self.provided_date))
+        super().finalize_headers()
 
     def get_environ(self) -> dict[str, Any]:
         environ = super().get_environ()

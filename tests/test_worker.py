@@ -11,10 +11,12 @@ HTTP clients would not send these heads.
 
 from __future__ import annotations
 
+import email.utils
 import http.client
 import socket
 import time
 import uuid
+from datetime import UTC, datetime
 from urllib.parse import urlsplit
 
 import gevent
@@ -266,3 +268,31 @@ def test_heads_gunicorn_refused_are_still_refused(
     response = send_head(server, head + b"".join(line + b"\r\n" for line in lines), b"hello")
     assert response.status == 400, (response.status, response.body)
     assert not json_error_problem(response), json_error_problem(response)
+
+
+def test_every_answer_carries_the_current_date_once(server: Server) -> None:
+    url, _ = created_stream(server)
+    dates = []
+    for _ in range(2):
+        answers = [
+            requests.post(url, data=b"x", headers={"Content-Type": "text/plain"}, timeout=10),
+            requests.get(f"{url}?offset=-1", timeout=10),
+            requests.get(f"{server.url}/v1/stream/worker-no-such-stream", timeout=10),
+        ]
+        for answer in answers:
+            assert answer.raw.headers.getlist("Date") == [answer.headers["Date"]]
+            sent = email.utils.parsedate_to_datetime(answer.headers["Date"])
+            assert abs((datetime.now(UTC) - sent).total_seconds()) < 5
+        dates.append(answers[0].headers["Date"])
+        time.sleep(1.1)  # the worker formats the date once a second: it must move on
+    assert dates[0] != dates[1]
+
+
+def test_gunicorn_s_access_log_is_written_when_asked_for(start_server: StartServer) -> None:
+    server = start_server(env={"GUNICORN_CMD_ARGS": "--access-logfile=-"})
+    url, path = created_stream(server)
+    requests.post(url, data=b"x", headers={"Content-Type": "text/plain"}, timeout=10)
+    deadline = time.monotonic() + 10
+    while f'"POST {path.decode()} HTTP/1.1" 204' not in server.managed.output():
+        assert time.monotonic() < deadline, server.managed.output()[-2000:]
+        time.sleep(0.05)
