@@ -18,7 +18,7 @@ import functools
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from flask import Response, g, request
@@ -69,6 +69,17 @@ class Metrics:
     errors: Counter
     auth_failures: Counter
     registry: CollectorRegistry | None  # None in multiprocess mode: collected from files
+    # Each content-type label's two append counters, looked up once: `labels()` takes a
+    # lock and builds a key on every call (2.5 % of a single append's CPU in py-spy).
+    labelled_appends: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+
+    def append_counters(self, label: str) -> tuple[Any, Any]:
+        """The appends and append_bytes counters of one content-type label."""
+        counters = self.labelled_appends.get(label)
+        if counters is None:
+            counters = (self.appends.labels(label), self.append_bytes.labels(label))
+            self.labelled_appends[label] = counters
+        return counters
 
     def exposition(self) -> bytes:
         """The Prometheus text format, summed over every worker's files."""
@@ -180,9 +191,9 @@ def is_append_path(path: str) -> bool:
 def count_append(metrics: Metrics, content_type: str | None, size: int) -> None:
     """An append that succeeded, with a body of `size` bytes (a close alone has none)."""
     if size:
-        label = label_of_content_type(content_type)
-        metrics.appends.labels(label).inc()
-        metrics.append_bytes.labels(label).inc(size)
+        appends, append_bytes = metrics.append_counters(label_of_content_type(content_type))
+        appends.inc()
+        append_bytes.inc(size)
 
 
 def metrics_view() -> Response:

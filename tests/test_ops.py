@@ -225,6 +225,27 @@ def test_metrics_sum_across_workers(start_server: StartServer, unique_stream: st
         assert samples['picomq_storage_requests_total{operation="put"}'] >= appended + 1
 
 
+def test_appends_count_under_their_own_content_type(server: Server, unique_stream: str) -> None:
+    bodies = {JSON: [b'{"n":1}', b'[{"n":2},{"n":3}]'], "text/plain": [b"hello", b"hi"]}
+    before = scrape(server)
+    for content_type, sent in bodies.items():
+        create(server, f"{unique_stream}-{content_type}", content_type)
+        for body in sent:
+            response = requests.post(
+                server.stream_url(f"{unique_stream}-{content_type}"),
+                data=body,
+                headers={"Content-Type": f"{content_type}; charset=utf-8"},
+                timeout=10,
+            )
+            assert response.status_code == 204, response.text
+    samples = scrape(server)
+    for content_type, sent in bodies.items():
+        label = f'{{content_type="{content_type}"}}'
+        appends, sizes = f"picomq_appends_total{label}", f"picomq_append_bytes_total{label}"
+        assert samples[appends] - before.get(appends, 0) == len(sent)
+        assert samples[sizes] - before.get(sizes, 0) == sum(map(len, sent))
+
+
 def test_metrics_count_reads_live_connections_and_errors(
     start_server: StartServer, unique_stream: str
 ) -> None:
