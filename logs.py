@@ -15,7 +15,6 @@ import os
 import re
 import sys
 import time
-from datetime import UTC, datetime
 
 import orjson
 from flask import Response, g, has_request_context, request
@@ -33,14 +32,29 @@ def log_entry(
     created: float, level: str, logger: str, message: str, pid: int | None
 ) -> dict[str, object]:
     """The fields every JSON line starts with."""
-    moment = datetime.fromtimestamp(created, UTC)
     return {
-        "time": moment.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+        "time": utc_time(created),
         "level": level,
         "logger": logger,
         "message": message,
         "pid": pid,
     }
+
+
+def utc_time(created: float) -> str:
+    """ISO 8601 in UTC to the millisecond, `2026-12-03T11:35:33.832Z`.
+
+    The second is formatted once: through datetime, every line cost 4 % of a single
+    append's CPU time (py-spy)."""
+    second = int(created)
+    carry, microsecond = divmod(round((created - second) * 1_000_000), 1_000_000)
+    second += carry  # datetime rounds to the microsecond first, and so do we
+    return f"{_utc_second(second)}.{microsecond // 1000:03d}Z"
+
+
+@functools.lru_cache(maxsize=2)
+def _utc_second(second: int) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
 
 
 class JsonFormatter(logging.Formatter):

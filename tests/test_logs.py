@@ -6,8 +6,11 @@ import io
 import json
 import logging
 import re
+from datetime import UTC, datetime
 
-from logs import AccessLog, JsonFormatter
+import pytest
+
+from logs import AccessLog, JsonFormatter, utc_time
 
 FIELDS = {"method": "POST", "path": "/v1/stream/a", "query": {}, "status": 204, "request_id": "r1"}
 TIME_PATTERN = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z")
@@ -92,3 +95,13 @@ def test_a_failing_stream_is_reported_as_logging_would_and_never_raises() -> Non
     stream.close()  # writing now raises ValueError
     access.log(dict(FIELDS))
     assert [record.getMessage() for record in failures] == ["request"]
+
+
+@pytest.mark.parametrize(
+    "fraction", [0.0, 0.0004994, 0.0005, 0.5309994, 0.9994999, 0.9995, 0.9999996]
+)
+def test_line_times_are_datetime_s_rendering(fraction: float) -> None:
+    for second in (0, 1_796_892_552, 1_798_761_599):  # the epoch, a day, the last of a year
+        created = second + fraction
+        rendered = datetime.fromtimestamp(created, UTC).isoformat(timespec="milliseconds")
+        assert utc_time(created) == rendered.replace("+00:00", "Z")
