@@ -7,7 +7,8 @@ which gunicorn.conf.py's hooks set in the master before any worker forks (and us
 forget a dead worker's live gauges); so the master never imports this module. Outside
 gunicorn, without that variable, the metrics live in this process only.
 
-Hot paths pay a dictionary lookup and a locked memory write per update. Every label
+Hot paths pay a dictionary lookup and a locked memory write per update; appends, the
+most frequent, are added up per turn of the event loop first (AppendCounts). Every label
 value a request can reach comes from a fixed list (content types, read modes, storage
 operations, HTTP statuses), so the number of series never grows with the input.
 """
