@@ -75,13 +75,14 @@ class AppendCounts:
         self.defer: Callable[[Callable[[], None]], object] | None = None
 
     def count(self, label: str, size: int) -> None:
-        if self.defer is not None and not self.pending:
-            self.defer(self.add_pending)
+        first_of_turn = not self.pending
         tally = self.pending.setdefault(label, [0, 0])
         tally[0] += 1
         tally[1] += size
         if self.defer is None:
             self.add_pending()
+        elif first_of_turn:
+            self.defer(self.add_pending)
 
     def add_pending(self) -> None:
         pending, self.pending = self.pending, {}
