@@ -425,6 +425,7 @@ class StreamStore:
         self.settings = settings or StoreSettings()
         self.cache = ObjectCache(self.settings.cache_bytes)
         self._streams: OrderedDict[str, _Stream] = OrderedDict()
+        self._building: dict[tuple[str, object], AsyncResult] = {}  # handles being loaded
         self.listeners: list[Callable[[StreamInfo], None]] = []
         self.commit_observers: list[Callable[[int], None]] = []  # appends per group commit
 
@@ -492,6 +493,28 @@ class StreamStore:
         return self._load(path, identity)
 
     def _load(self, path: str, identity: object) -> _Stream:
+        """Build a stream's handle from storage; concurrent callers share one build.
+
+        Listing and reading yield (S3). Without sharing, every request arriving while
+        a handle is built would build its own, and the process would hold several
+        handles of one stream: each with its own writer, contending with the others
+        for the tail, and its own waiters, whom the others' commits never wake.
+        """
+        building = self._building.get((path, identity))
+        if building is not None:
+            return building.get()
+        building = self._building[path, identity] = AsyncResult()
+        try:
+            stream = self._build(path, identity)
+            building.set(stream)
+            return stream
+        except BaseException as error:  # the sharers see the builder's failure too
+            building.set_exception(error)
+            raise
+        finally:
+            del self._building[path, identity]
+
+    def _build(self, path: str, identity: object) -> _Stream:
         try:
             config = StreamConfig.from_json(self.objects.read(_meta_key(path)))
         except FileNotFoundError as error:

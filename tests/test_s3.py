@@ -71,6 +71,7 @@ RECOVERY_DEADLINE_SECONDS = 30.0
 
 PRODUCERS = 64
 PRODUCER_MESSAGES = 5000
+FIRST_REQUESTS = 16
 
 IDLE_STREAMS = 200
 IDLE_SETTLE_SECONDS = 1.5
@@ -724,6 +725,38 @@ def test_group_commit_batches_concurrent_appends(
         # Without the linger the producers split into two cohorts taking turns (~32 each);
         # bench/compare.py --only s3-appends measures the figure with a faster client.
         assert sent / written > PRODUCERS / 2, "the producers' cohorts were not merged"
+
+
+def test_concurrent_first_requests_share_one_load_of_the_stream(
+    proxied_s3: ProxiedS3, start_server: StartServer, unique_stream: str
+) -> None:
+    """Appends reaching a node that has not opened the stream yet: one handle, one writer.
+
+    Loading a stream takes several S3 requests; requests arriving meanwhile must wait
+    for that load, not start their own. Otherwise the node holds several handles of
+    the stream, whose writers lose create-only races (412) to each other.
+    """
+    create_stream(second_node(proxied_s3, start_server), unique_stream)
+    node = start_server(storage_url=proxied_s3.url, env=proxied_s3.env, workers=1)
+    proxied_s3.proxy.set_faults(delay_ms=S3_LIKE_LATENCY_MS)  # loading spans the burst
+    since = proxied_s3.proxy.count()
+
+    def append(number: int) -> int:
+        return requests.post(
+            node.stream_url(unique_stream),
+            data=orjson.dumps({"n": number}),
+            headers={"Content-Type": JSON_TYPE},
+            timeout=REQUEST_TIMEOUT_SECONDS,
+        ).status_code
+
+    with ThreadPoolExecutor(FIRST_REQUESTS) as pool:
+        statuses = Counter(pool.map(append, range(FIRST_REQUESTS)))
+    kinds = Counter(describe(record) for record in proxied_s3.proxy.log()[since:])
+    assert statuses == {204: FIRST_REQUESTS}
+    assert kinds["GET meta.json"] == 1, kinds
+    assert segment_puts(proxied_s3.proxy, since)[412] == 0, kinds
+    stored = orjson.loads(read_stream(node, unique_stream))
+    assert sorted(message["n"] for message in stored) == list(range(FIRST_REQUESTS))
 
 
 def test_idle_streams_cost_no_storage_requests(
