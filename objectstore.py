@@ -268,6 +268,25 @@ class ObjectStore:
             return []
         return [entry.rstrip("/").rsplit("/", 1)[-1] for entry in entries]
 
+    def list_after(self, prefix: str, after: str) -> list[str]:
+        """Names directly under `prefix` that sort after `after`, in order.
+
+        On S3 the listing starts there (StartAfter): its cost does not grow with the
+        names before it.
+        """
+        filesystem = self.filesystem
+        if not hasattr(filesystem, "call_s3"):
+            return sorted(name for name in self.list(prefix) if name > after)
+        bucket, folder, _ = filesystem.split_path(self.path(prefix))
+        request = {"Bucket": bucket, "Prefix": f"{folder}/", "StartAfter": f"{folder}/{after}"}
+        names: list[str] = []
+        while True:
+            page = self._guarded(filesystem.call_s3, "list_objects_v2", Delimiter="/", **request)
+            names += [entry["Key"].rsplit("/", 1)[-1] for entry in page.get("Contents", [])]
+            if not page.get("IsTruncated"):
+                return names
+            request["ContinuationToken"] = page["NextContinuationToken"]
+
 
 def _read_local(path: str, start: int, end: int | None) -> bytes:
     with open(path, "rb") as file:

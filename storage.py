@@ -732,6 +732,31 @@ class StreamStore:
             stream.notify()
         return found
 
+    def _catch_up(self, stream: _Stream) -> None:
+        """After a lost race, adopt the state of the last segment written since our tail.
+
+        Read one by one, the new segments cost a request each, and a process that keeps
+        winning writes them as fast as the loser reads: in a two-worker test on moto the
+        loser chased the tail for seconds, lost again, and answered 503. One listing
+        names every segment after our tail (create-only writes at the tail make each of
+        them part of the stream), and the last one holds the stream's state. The next
+        try goes straight to the new tail; if the winner wrote again meanwhile, it
+        loses and lists again.
+        """
+        tail = stream.state.tail
+        names = self.objects.list_after(f"{stream.prefix}/seg", segment_name(tail))
+        starts = [tail, *(int(name) for name in names if name.isdigit())]
+        try:
+            _, state = self.read_segment(stream, starts[-1], whole=True)
+        except (FileNotFoundError, CorruptSegment):  # removed or torn: the careful way
+            self._refresh(stream)
+            return
+        if state.tail > stream.state.tail:  # else a reader's refresh got further meanwhile
+            for start in starts:
+                stream.add_start(start)
+            stream.state = state
+            stream.notify()
+
     # -- create --------------------------------------------------------------------------
 
     def create(self, path: str, request: CreateRequest) -> tuple[bool, StreamInfo]:
@@ -937,7 +962,7 @@ class StreamStore:
                     ) from None
                 if losses > 2:  # spread retries out so a burst of writers interleaves
                     gevent.sleep(random.uniform(0, min(0.002 * 2**losses, 0.25)))
-                self._refresh(stream)
+                self._catch_up(stream)
                 refreshed = True
                 continue
             except FileNotFoundError as error:  # the stream's directory was deleted under us

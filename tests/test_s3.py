@@ -72,6 +72,7 @@ RECOVERY_DEADLINE_SECONDS = 30.0
 PRODUCERS = 64
 PRODUCER_MESSAGES = 5000
 FIRST_REQUESTS = 16
+SEGMENTS_AHEAD = 20
 
 IDLE_STREAMS = 200
 IDLE_SETTLE_SECONDS = 1.5
@@ -757,6 +758,37 @@ def test_concurrent_first_requests_share_one_load_of_the_stream(
     assert segment_puts(proxied_s3.proxy, since)[412] == 0, kinds
     stored = orjson.loads(read_stream(node, unique_stream))
     assert sorted(message["n"] for message in stored) == list(range(FIRST_REQUESTS))
+
+
+def test_a_writer_behind_by_many_segments_catches_up_in_a_few_requests(
+    proxied_s3: ProxiedS3, start_server: StartServer, unique_stream: str
+) -> None:
+    """A node whose tail is old loses the race at it, then lists instead of reading each segment.
+
+    Read one by one, the segments written since would cost a request each (and a node
+    that kept writing would stay ahead of the reader); one listing and the last
+    segment are enough to try again at the true tail.
+    """
+    behind, ahead = (
+        start_server(storage_url=proxied_s3.url, env=proxied_s3.env, workers=1)
+        for _ in range(2)
+    )
+    create_stream(ahead, unique_stream)
+    appended = [post_json(behind.stream_url(unique_stream), {"n": 0})]  # it knows the tail
+    appended += [
+        post_json(ahead.stream_url(unique_stream), {"n": number})
+        for number in range(1, SEGMENTS_AHEAD + 1)
+    ]
+    since = proxied_s3.proxy.count()
+
+    appended.append(post_json(behind.stream_url(unique_stream), {"n": SEGMENTS_AHEAD + 1}))
+
+    assert [response.status_code for response in appended] == [204] * (SEGMENTS_AHEAD + 2)
+    kinds = Counter(describe(record) for record in proxied_s3.proxy.log()[since:])
+    assert segment_puts(proxied_s3.proxy, since) == {412: 1, 200: 1}, kinds
+    assert kinds["GET seg"] <= 2, kinds  # the segment it lost to, and the last one
+    stored = orjson.loads(read_stream(behind, unique_stream))
+    assert [message["n"] for message in stored] == list(range(SEGMENTS_AHEAD + 2))
 
 
 def test_idle_streams_cost_no_storage_requests(
