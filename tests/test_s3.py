@@ -11,7 +11,9 @@
   after the write, so the client's retry hears 412). A moto_server restarted empty
   checks that the server then believes storage, not its cache.
 - Request costs, counted by the proxy: group commit batches concurrent appends into few
-  PUTs, and idle streams cost no requests at all.
+  PUTs, concurrent first requests to a node share one load of the stream, a writer
+  that lost the race catches up with a listing however far behind it was, and idle
+  streams cost no requests at all.
 
 Figures are printed (run with `-s` to see them); only properties of the design are
 asserted, never speeds.
@@ -743,12 +745,7 @@ def test_concurrent_first_requests_share_one_load_of_the_stream(
     since = proxied_s3.proxy.count()
 
     def append(number: int) -> int:
-        return requests.post(
-            node.stream_url(unique_stream),
-            data=orjson.dumps({"n": number}),
-            headers={"Content-Type": JSON_TYPE},
-            timeout=REQUEST_TIMEOUT_SECONDS,
-        ).status_code
+        return post_json(node.stream_url(unique_stream), {"n": number}).status_code
 
     with ThreadPoolExecutor(FIRST_REQUESTS) as pool:
         statuses = Counter(pool.map(append, range(FIRST_REQUESTS)))
@@ -770,8 +767,7 @@ def test_a_writer_behind_by_many_segments_catches_up_in_a_few_requests(
     segment are enough to try again at the true tail.
     """
     behind, ahead = (
-        start_server(storage_url=proxied_s3.url, env=proxied_s3.env, workers=1)
-        for _ in range(2)
+        start_server(storage_url=proxied_s3.url, env=proxied_s3.env, workers=1) for _ in range(2)
     )
     create_stream(ahead, unique_stream)
     appended = [post_json(behind.stream_url(unique_stream), {"n": 0})]  # it knows the tail
