@@ -75,16 +75,6 @@ def is_loopback(address: str) -> bool:
 
 # prometheus-client counts in files that all workers share (see metrics.py): the master
 # names one empty directory before any worker forks, and forgets dead workers' gauges.
-def post_worker_init(worker: object) -> None:
-    """Let each worker count appends once per turn of its event loop (metrics.py's
-    AppendCounts). Imported in the worker: the master must never import metrics."""
-    import gevent
-
-    from metrics import get_metrics
-
-    get_metrics().append_counts.defer = gevent.get_hub().loop.run_callback
-
-
 METRICS_DIRECTORY = "PROMETHEUS_MULTIPROC_DIR"
 owned_metrics_directory: list[str] = []
 
@@ -109,3 +99,13 @@ def child_exit(server: object, worker: object) -> None:
 def on_exit(server: object) -> None:
     for directory in owned_metrics_directory:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def post_worker_init(worker: object) -> None:
+    """Let each worker count appends once per turn of its event loop (metrics.py's
+    AppendCounts). Imported in the worker: the master must never import metrics."""
+    import gevent
+
+    from metrics import get_metrics
+
+    get_metrics().append_counts.defer = gevent.get_hub().loop.run_callback
