@@ -50,7 +50,7 @@ from urllib.parse import quote, unquote
 
 import gevent
 import orjson
-from gevent.event import AsyncResult, Event
+from gevent.event import AsyncResult
 
 import compaction
 import retention
@@ -65,6 +65,7 @@ from segments import (
     header_length,
     verify_payload,
 )
+from wakeups import Wakeups
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
@@ -326,7 +327,7 @@ class _Stream:
     earliest: int = 0
     trim_timer: gevent.Greenlet | None = None
     write_seconds: float = 0.0  # how long the last segment write took
-    changed: Event = field(default_factory=Event)
+    wakeups: Wakeups = field(default_factory=Wakeups)
     pending: list[_Pending] = field(default_factory=list)
     writing: bool = False
     waiters: int = 0
@@ -392,9 +393,8 @@ class _Stream:
         return self.last_info
 
     def notify(self) -> None:
-        """Wake every live reader; later waiters get a fresh event."""
-        changed, self.changed = self.changed, Event()
-        changed.set()
+        """Wake every live reader."""
+        self.wakeups.notify()
 
 
 @dataclass
@@ -1126,13 +1126,12 @@ class StreamStore:
         stream.waiters += 1
         try:
             while stream.state.tail <= offset and not stream.state.closed:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
+                if time.monotonic() >= deadline:
                     break
                 if not stream.polling:
                     stream.polling = True
                     gevent.spawn(self._poll, stream)
-                stream.changed.wait(remaining)
+                stream.wakeups.wait(deadline)
         finally:
             stream.waiters -= 1
         return stream.info()

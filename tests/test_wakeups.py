@@ -1,0 +1,68 @@
+"""Live readers' wake-ups (wakeups.py), driven by gevent's real hub and clock.
+
+What the store relies on: a change wakes every waiter whatever its deadline, a deadline
+wakes its own waiters and nobody else's, and a waiter that comes after a change waits
+for the next one.
+"""
+
+from __future__ import annotations
+
+import time
+
+import gevent
+
+from wakeups import SLOT_SECONDS, Wakeups
+
+FAR_SECONDS = 30.0
+JOIN_SECONDS = 5.0
+
+
+def wait_until(wakeups: Wakeups, deadline: float) -> None:
+    """Wait the way the store does, re-checking the deadline after each wake."""
+    while time.monotonic() < deadline:
+        wakeups.wait(deadline)
+
+
+def test_notify_wakes_every_waiter_whatever_its_deadline() -> None:
+    wakeups = Wakeups()
+    now = time.monotonic()
+    waiters = [gevent.spawn(wakeups.wait, now + FAR_SECONDS + index) for index in range(50)]
+    gevent.sleep(0)
+    assert not any(waiter.ready() for waiter in waiters)
+    wakeups.notify()
+    assert len(gevent.joinall(waiters, timeout=JOIN_SECONDS)) == len(waiters)
+
+
+def test_a_deadline_wakes_its_own_waiters_only() -> None:
+    wakeups = Wakeups()
+    now = time.monotonic()
+    soon = gevent.spawn(wait_until, wakeups, now + 0.2)
+    later = gevent.spawn(wakeups.wait, now + FAR_SECONDS)
+    soon.join(timeout=JOIN_SECONDS)
+    assert soon.ready(), "a waiter's deadline passed and it was not woken"
+    gevent.sleep(2 * SLOT_SECONDS)
+    assert not later.ready(), "another waiter's deadline woke a waiter due much later"
+    wakeups.notify()
+    later.kill()
+
+
+def test_a_deadline_already_past_returns_at_once() -> None:
+    wakeups = Wakeups()
+    past = gevent.spawn(wakeups.wait, time.monotonic() - 1.0)
+    past.join(timeout=JOIN_SECONDS)
+    assert past.ready()
+
+
+def test_waiters_after_a_notify_wait_for_the_next_change() -> None:
+    wakeups = Wakeups()
+    deadline = time.monotonic() + FAR_SECONDS
+    first = gevent.spawn(wakeups.wait, deadline)
+    gevent.sleep(0)
+    wakeups.notify()
+    first.join(timeout=JOIN_SECONDS)
+    second = gevent.spawn(wakeups.wait, deadline)  # the same slot as the first waiter's
+    gevent.sleep(2 * SLOT_SECONDS)
+    assert not second.ready(), "a waiter that came after the change was woken by it"
+    wakeups.notify()
+    second.join(timeout=JOIN_SECONDS)
+    assert second.ready()
