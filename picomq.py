@@ -25,6 +25,7 @@ from flask import Flask, request
 from flask import Response as FlaskResponse
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
+from fanout import DIRECT_WRITER_ENVIRON_KEY, DirectWriter, Fanout, Follower
 from limits import LiveConnections, json_nests_deeper_than
 from logs import REQUEST_ID_HEADER
 from metrics import MeasuredObjectStore
@@ -467,6 +468,7 @@ class StreamViews:
         self.settings = settings
         self.live_connections = LiveConnections(settings.max_live_connections)
         self.sse_cache = ObjectCache(SSE_CACHE_BYTES)
+        self.fanout = Fanout(store, self.sse_event, advanced_cursor, settings.long_poll_timeout)
 
     def dispatch(self, path: str) -> Response:
         handlers = {
@@ -694,7 +696,8 @@ class StreamViews:
         if not is_json_type(info.content_type) and not info.content_type.startswith("text/"):
             headers[SSE_DATA_ENCODING] = "base64"
         cursor = request.args.get("cursor")
-        events = self.sse_events(path, offset, cursor, SSE_DATA_ENCODING in headers)
+        writer = request.environ.get(DIRECT_WRITER_ENVIRON_KEY)
+        events = self.sse_events(path, offset, cursor, SSE_DATA_ENCODING in headers, writer)
         return Response(events, 200, headers)
 
     def sse_event(
@@ -721,22 +724,45 @@ class StreamViews:
         return end, event
 
     def sse_events(
-        self, path: str, offset: int, client_cursor: str | None, base64_data: bool
+        self,
+        path: str,
+        offset: int,
+        client_cursor: str | None,
+        base64_data: bool,
+        writer: DirectWriter | None,
     ) -> Iterator[bytes]:
-        """Data events each followed by a control event, until closed or the deadline."""
+        """Data events each followed by a control event, until closed or the deadline.
+
+        At the tail, with a server that offers its connection (`writer`), the stream's
+        broadcaster writes the events (fanout.py) until it hands the connection back.
+        """
         deadline = time.monotonic() + self.settings.sse_max_duration
         timeout = 0.0  # the first pass answers at once: history, or where the tail is
         cursor = next_cursor(client_cursor)
         try:
             while True:
                 info = self.store.wait(path, offset, timeout)
-                timeout = min(self.settings.long_poll_timeout, deadline - time.monotonic())
                 cursor = advanced_cursor(cursor)
                 offset, event = self.sse_event(path, info, offset, cursor, base64_data)
                 yield event
                 if (info.closed and offset == info.tail) or time.monotonic() >= deadline:
                     return
-        except (StoreError, StorageUnavailable) as error:
+                timeout = min(self.settings.long_poll_timeout, deadline - time.monotonic())
+                if writer is None or offset != info.tail:
+                    continue
+                follower = Follower(writer, offset, cursor, base64_data, writer.chunked)
+                if not self.fanout.follow(path, follower, timeout):
+                    continue
+                if follower.failed:
+                    return
+                if follower.unsent:
+                    writer.send_rest(follower.unsent)
+                if follower.closed:
+                    return
+                offset, cursor = follower.offset, follower.cursor
+                if not follower.handed_back.is_set():
+                    timeout = 0.0  # its time is up: the pass that ends it, or a control event
+        except (StoreError, StorageUnavailable, OSError) as error:  # OSError: from send_rest
             log.info("SSE on %s ended: %s", path, error)
 
 

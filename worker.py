@@ -52,6 +52,8 @@ from gevent import socket as gevent_socket
 from gevent.pywsgi import Input, format_date_time
 from gunicorn.workers.ggevent import GeventPyWSGIWorker, PyWSGIHandler, PyWSGIServer
 
+from fanout import DIRECT_WRITER_ENVIRON_KEY
+
 READ_BUFFER_BYTES = 1024
 # A header line (RFC 9110 5.1, 5.5): a token, a colon, a value without control
 # characters (a lone CR among them: some proxies end a line there), optional whitespace.
@@ -74,12 +76,16 @@ class EagerSendSocket(gevent_socket.socket):
     __slots__ = ()
 
     def sendall(self, data: bytes, flags: int = 0) -> None:
-        try:
-            sent = self._sock.send(data, flags)
-        except BlockingIOError:
-            sent = 0
+        sent = self.send_now(data, flags)
         if sent < len(data):
             super().sendall(memoryview(data)[sent:], flags)
+
+    def send_now(self, data: bytes, flags: int = 0) -> int:
+        """What the kernel takes at once, without waiting for the socket to drain."""
+        try:
+            return self._sock.send(data, flags)
+        except BlockingIOError:
+            return 0
 
 
 @dataclass(frozen=True)
@@ -280,10 +286,25 @@ class PicoMQHandler(PyWSGIHandler):
 
     def get_environ(self) -> dict[str, Any]:
         environ = super().get_environ()
+        environ[DIRECT_WRITER_ENVIRON_KEY] = self
         self.wsgi_input.__class__ = ShortReadInput
         if self.url_scheme is not None:
             environ["wsgi.url_scheme"] = self.url_scheme
         return environ
+
+    # -- the connection as a DirectWriter (fanout.py): the SSE fan-out writes through it
+
+    @property
+    def chunked(self) -> bool:
+        return self.response_use_chunked
+
+    def send_now(self, data: bytes) -> int:
+        sent = self.socket.send_now(data)
+        self.response_length += sent
+        return sent
+
+    def send_rest(self, data: bytes) -> None:
+        self._sendall(data)
 
     def handle(self) -> None:
         try:
