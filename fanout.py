@@ -20,7 +20,9 @@ subscriber's next wait meets it too, and ends the response as before).
 
 from __future__ import annotations
 
+import functools
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -30,6 +32,7 @@ from gevent.event import Event
 
 from objectstore import StorageUnavailable
 from storage import StoreError, StreamInfo, StreamStore
+from wakeups import Alarms
 
 log = logging.getLogger("picomq.fanout")
 
@@ -51,7 +54,7 @@ class DirectWriter(Protocol):
         """Send all of `data`, waiting for the socket to drain."""
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Follower:
     """A subscriber parked at the tail, and what the broadcaster did for it."""
 
@@ -64,9 +67,10 @@ class Follower:
     unsent: bytes = b""  # the part of the last event the kernel did not take
     failed: bool = False  # the connection is gone
     closed: bool = False  # the stream's closing event was sent
+    timed_out: bool = False  # handed back because its time was up
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Broadcast:
     offset: int  # where every follower is
     followers: dict[Follower, None] = field(default_factory=dict)  # insertion-ordered set
@@ -87,6 +91,7 @@ class Fanout:
         self._advance_cursor = advance_cursor
         self._wait_seconds = wait_seconds
         self._broadcasts: dict[str, _Broadcast] = {}
+        self._alarms = Alarms()
 
     def follow(self, path: str, follower: Follower, timeout: float) -> bool:
         """Park `follower` with the stream's broadcaster until handed back or `timeout`.
@@ -101,8 +106,10 @@ class Fanout:
         if broadcast.offset != follower.offset:
             return False
         broadcast.followers[follower] = None
+        time_up = functools.partial(_time_up, broadcast, follower)
+        self._alarms.at(time.monotonic() + timeout, time_up)
         try:
-            follower.handed_back.wait(timeout)
+            follower.handed_back.wait()
         finally:
             broadcast.followers.pop(follower, None)
         return True
@@ -165,6 +172,12 @@ class Fanout:
 def frame(data: bytes, chunked: bool) -> bytes:
     """`data` as one piece of a response body, as pywsgi frames what an app yields."""
     return b"%x\r\n%b\r\n" % (len(data), data) if chunked else data
+
+
+def _time_up(broadcast: _Broadcast, follower: Follower) -> None:
+    if follower in broadcast.followers:
+        follower.timed_out = True
+        _hand_back(broadcast, follower)
 
 
 def _hand_back(broadcast: _Broadcast, follower: Follower) -> None:

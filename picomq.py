@@ -760,8 +760,8 @@ class StreamViews:
                 if follower.closed:
                     return
                 offset, cursor = follower.offset, follower.cursor
-                if not follower.handed_back.is_set():
-                    timeout = 0.0  # its time is up: the pass that ends it, or a control event
+                if follower.timed_out:
+                    timeout = 0.0  # the pass that ends the response, or a control event
         except (StoreError, StorageUnavailable, OSError) as error:  # OSError: from send_rest
             log.info("SSE on %s ended: %s", path, error)
 

@@ -2,7 +2,8 @@
 
 What the store relies on: a change wakes every waiter whatever its deadline, a deadline
 wakes its own waiters and nobody else's, and a waiter that comes after a change waits
-for the next one.
+for the next one. What the SSE fan-out relies on: an alarm runs once its deadline has
+passed, and not before a later alarm's.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import time
 
 import gevent
 
-from wakeups import SLOT_SECONDS, Wakeups
+from wakeups import SLOT_SECONDS, Alarms, Wakeups
 
 FAR_SECONDS = 30.0
 JOIN_SECONDS = 5.0
@@ -66,3 +67,17 @@ def test_waiters_after_a_notify_wait_for_the_next_change() -> None:
     wakeups.notify()
     second.join(timeout=JOIN_SECONDS)
     assert second.ready()
+
+
+def test_alarms_run_each_callback_once_when_its_deadline_comes() -> None:
+    alarms = Alarms()
+    rang: list[str] = []
+    now = time.monotonic()
+    alarms.at(now + 0.1, lambda: rang.append("soon"))
+    alarms.at(now + FAR_SECONDS, lambda: rang.append("later"))
+    alarms.at(now + 0.1, lambda: rang.append("soon, too"))
+    alarms.at(now + 0.3, lambda: rang.append("next"))
+    while len(rang) < 3 and time.monotonic() < now + JOIN_SECONDS:
+        gevent.sleep(SLOT_SECONDS)
+    gevent.sleep(2 * SLOT_SECONDS)
+    assert rang == ["soon", "soon, too", "next"]
