@@ -142,27 +142,27 @@ class Fanout:
             (cursors[follower.cursor], follower.base64_data, follower.chunked)
             for follower in broadcast.followers
         }
-        events: dict[tuple[str, bool, bool], tuple[int, bytes]] = {}
+        end = broadcast.offset  # where every kind of event ends: only the cursor differs
+        events: dict[tuple[str, bool, bool], bytes] = {}
         for cursor, base64_data, chunked in kinds:
             end, event = self._make_event(path, info, broadcast.offset, cursor, base64_data)
-            events[cursor, base64_data, chunked] = end, frame(event, chunked)
+            events[cursor, base64_data, chunked] = frame(event, chunked)
         if not events:
             return
+        closed = info.closed and end == info.tail
         for follower in list(broadcast.followers):
             cursor = cursors.get(follower.cursor, "")
-            built = events.get((cursor, follower.base64_data, follower.chunked))
-            if built is None:  # it came while the events were built: it catches up itself
+            framed = events.get((cursor, follower.base64_data, follower.chunked))
+            if framed is None:  # it came while the events were built: it catches up itself
                 _hand_back(broadcast, follower)
                 continue
-            end, framed = built
             try:
                 sent = follower.writer.send_now(framed)
             except OSError:
                 follower.failed = True
                 _hand_back(broadcast, follower)
                 continue
-            follower.offset, follower.cursor = end, cursor
-            follower.closed = info.closed and end == info.tail
+            follower.offset, follower.cursor, follower.closed = end, cursor, closed
             if sent < len(framed):
                 follower.unsent = framed[sent:]
                 _hand_back(broadcast, follower)
