@@ -145,6 +145,20 @@ def read_stream(node: Server, path: str) -> bytes:
     return b"[" + b",".join(page[1:-1] for page in pages if page != b"[]") + b"]"
 
 
+def describe_disagreement(contents: list[bytes]) -> str:
+    """Which node holds what, and where the first two that differ part ways."""
+    counts = [len(orjson.loads(content)) for content in contents]
+    first, other = contents[0], next(content for content in contents if content != contents[0])
+    parted = next(
+        (at for at, (a, b) in enumerate(zip(first, other, strict=False)) if a != b),
+        min(len(first), len(other)),
+    )
+    return (
+        f"nodes disagree: {counts} messages, {[len(content) for content in contents]} bytes;"
+        f" the first differing pair parts at byte {parted}"
+    )
+
+
 def format_offset(position: int) -> str:
     return f"{0:016d}_{position:016d}"
 
@@ -305,7 +319,7 @@ def test_nodes_on_one_bucket_keep_every_acknowledged_append(
     elapsed = time.monotonic() - started
 
     contents = [read_stream(node, unique_stream) for node in nodes]
-    assert all(content == contents[0] for content in contents), "nodes disagree"
+    assert all(content == contents[0] for content in contents), describe_disagreement(contents)
     check_exactly_once(contents[0], logs, APPENDS_PER_WRITER)
     appends = len(logs) * APPENDS_PER_WRITER
     failures = sum((log.failures for log in logs), Counter())
