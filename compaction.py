@@ -60,7 +60,8 @@ def _compact(store: StreamStore, stream: _Stream) -> None:
         messages = [end for index, _ in headers for end in index.message_ends]
         pack = stream.pack_key(run[0], end)
         try:
-            store.objects.create(pack, encode_segment(run[0], payload, appends, messages, state))
+            data, _ = encode_segment(run[0], payload, appends, messages, state)
+            store.objects.create(pack, data)
         except FileExistsError:
             pass
         originals = [stream.segment_key(start) for start in run]

@@ -68,13 +68,16 @@ def encode_segment(
     state: StreamState,
     written_at: float | None = None,
     token: str = "",
-) -> bytes:
-    """`written_at` (default: now) dates the newest data in it, for age-based retention.
+) -> tuple[bytes, SegmentIndex]:
+    """The segment's bytes, and its index: the writer need not parse what it just wrote.
 
+    `written_at` (default: now) dates the newest data in it, for age-based retention.
     `token` is unique to one write attempt: when an object store stores a segment but
     the answer is lost, the retried create fails, and the token tells our own segment
     from another writer's.
     """
+    payload_crc = zlib.crc32(payload)
+    written_at = time.time() if written_at is None else written_at
     header = orjson.dumps(
         {
             "start": start,
@@ -85,12 +88,22 @@ def encode_segment(
             "producers": state.producers,
             "closer": state.closer,
             "stream_seq": state.stream_seq,
-            "payload_crc": zlib.crc32(payload),
-            "written_at": written_at if written_at is not None else time.time(),
+            "payload_crc": payload_crc,
+            "written_at": written_at,
             "token": token,
         }
     )
-    return PREFIX.pack(MAGIC, len(header), zlib.crc32(header)) + header + payload
+    index = SegmentIndex(
+        start=start,
+        end=state.tail,
+        payload_position=PREFIX.size + len(header),
+        append_ends=tuple(append_ends),
+        message_ends=tuple(message_ends),
+        payload_crc=payload_crc,
+        written_at=written_at,
+        token=token,
+    )
+    return PREFIX.pack(MAGIC, len(header), zlib.crc32(header)) + header + payload, index
 
 
 def header_length(probe: bytes) -> int:

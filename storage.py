@@ -78,6 +78,7 @@ OFFSET_DIGITS = 20
 MAX_KEY_LENGTH = 200
 STREAM_KEYS_REMEMBERED = 1024  # a request line caps a path at 8 KiB: 8 MiB at most
 CONTENTION_LIMIT_SECONDS = 5.0
+SEGMENT_INDEXES_KEPT = 1024  # per stream; a few hundred bytes each
 
 
 # -- errors: each maps to one protocol outcome --------------------------------------
@@ -359,6 +360,19 @@ class _Stream:
     def piece_key(self, start: int) -> str:
         """The object holding the data at `start`: a pack once compacted, else the segment."""
         return self.keys.get(start) or self.segment_key(start)
+
+    def remember_segment(self, key: str, index: SegmentIndex) -> None:
+        """Keep a piece's index, forgetting the oldest kept beyond SEGMENT_INDEXES_KEPT.
+
+        Live readers want the newest pieces and a catch-up read each piece once, so the
+        oldest go first; without a bound a stream appended to for a minute between
+        re-listings would keep an index of every segment written.
+        """
+        segments = self.segments
+        segments.pop(key, None)
+        segments[key] = index
+        if len(segments) > SEGMENT_INDEXES_KEPT:
+            del segments[next(iter(segments))]
 
     def add_start(self, start: int) -> None:
         """Index a segment once, whether our writer or a refresh saw it first."""
@@ -664,7 +678,7 @@ class StreamStore:
         """Header (and state) of the piece at `start`, remembered in the stream's index."""
         key = stream.piece_key(start)
         index, state = self._read_piece(key, whole=whole)
-        stream.segments[key] = index
+        stream.remember_segment(key, index)
         return index, state
 
     def _read_piece(self, key: str, *, whole: bool = False) -> tuple[SegmentIndex, StreamState]:
@@ -994,7 +1008,7 @@ class StreamStore:
         start = stream.state.tail
         token = uuid.uuid4().hex
         payload = b"".join(plan.payload)
-        data = encode_segment(
+        data, index = encode_segment(
             start, payload, plan.append_ends, plan.message_ends, plan.state, token=token
         )
         key = stream.segment_key(start)
@@ -1005,6 +1019,7 @@ class StreamStore:
                 raise
             # Our own earlier attempt landed; only its answer was lost.
         self.cache.put(key, data)
+        stream.remember_segment(key, index)  # live readers want it next
         stream.add_start(start)
         stream.state = plan.state
 

@@ -473,7 +473,7 @@ def torn_segment(position: int, how: str) -> bytes | None:
     """What a crash in the middle of writing the next segment could leave at `position`."""
     payload = b"never acknowledged\n"
     state = StreamState(tail=position + len(payload))
-    whole = encode_segment(position, payload, [state.tail], [], state)
+    whole, _ = encode_segment(position, payload, [state.tail], [], state)
     header_end = len(whole) - len(payload)
     return {
         "stray-temp-file-only": None,

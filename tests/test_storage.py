@@ -18,8 +18,9 @@ import gevent
 import orjson
 import pytest
 
+import storage
 from objectstore import ObjectStore
-from segments import decode_header
+from segments import StreamState, decode_header, encode_segment
 from storage import (
     AppendRequest,
     AppendResult,
@@ -170,6 +171,28 @@ def test_json_messages_keep_their_boundaries(make_store: MakeStore, storage_url:
     assert (b"".join(result.chunks), result.end) == (b'[1,"two"]', 8)
     result = store.read("events", 8, max_bytes=2)
     assert (b"".join(result.chunks), result.end) == (b'[{"three":[3]}]', 22)
+
+
+def test_a_segment_is_indexed_by_its_writer_as_its_readers_would(make_store: MakeStore) -> None:
+    state = StreamState(tail=27, producers={"p": (1, 4)})
+    data, index = encode_segment(20, b"1,2,3,4", [27], [22, 24, 27], state, token="t")
+    assert (index, state) == decode_header(data)
+
+
+def test_json_boundaries_hold_once_old_segment_indexes_are_forgotten(
+    make_store: MakeStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(storage, "SEGMENT_INDEXES_KEPT", 4)
+    store = make_store()
+    store.create("events", CreateRequest(JSON))
+    for number in range(12):  # one segment each
+        append_json(store, "events", number)
+    assert len(store._streams["events"].segments) == 4
+    assert read_all(store, "events") == b"[0,1,2,3,4,5,6,7,8,9,10,11]"
+    assert read_all(store, "events", 2) == b"[1,2,3,4,5,6,7,8,9,10,11]"
+    with pytest.raises(InvalidRequest):
+        store.read("events", 1)  # inside the first segment's message, long forgotten
+    assert len(store._streams["events"].segments) == 4
 
 
 def test_forks_read_their_source_up_to_the_fork_point(make_store: MakeStore) -> None:
