@@ -726,18 +726,27 @@ class StreamStore:
         return index if index is not None else self.read_segment(stream, start)[0]
 
     def _refresh(self, stream: _Stream) -> bool:
-        """Pick up segments other processes wrote after our tail; True if any."""
+        """Pick up segments other processes wrote after our tail; True if any.
+
+        Other greenlets may move the handle's tail while a segment is read (reads yield
+        on S3): a state read is adopted, and a segment that fails its checks dropped as
+        torn, only while the tail is still where the read began, so the handle never
+        goes back to an older state and no segment another read verified is dropped.
+        """
         found, started = False, time.monotonic()
         while not stream.state.closed:
+            position = stream.state.tail
             try:
-                index, state = self.read_segment(stream, stream.state.tail, whole=True)
+                index, state = self.read_segment(stream, position, whole=True)
             except FileNotFoundError:
                 break
             except CorruptSegment as error:
-                self._drop_torn(stream.segment_key(stream.state.tail), error)
+                if stream.state.tail == position:  # else it was read whole meanwhile
+                    self._drop_torn(stream.segment_key(position), error)
                 break
             stream.add_start(index.start)
-            stream.state = state
+            if stream.state.tail == position:
+                stream.state = state
             found = True
             if index.end == index.start:
                 break
@@ -1021,7 +1030,8 @@ class StreamStore:
         self.cache.put(key, data)
         stream.remember_segment(key, index)  # live readers want it next
         stream.add_start(start)
-        stream.state = plan.state
+        if stream.state.tail == start:  # else a refresh read this segment and went further
+            stream.state = plan.state
 
     def _plan(self, stream: _Stream, batch: list[_Pending]) -> _Plan:
         plan = _Plan(state=stream.state.copy())

@@ -11,16 +11,18 @@ calling greenlet waits, so no monkey-patching is needed.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 import fsspec
 import gevent
 import orjson
 import pytest
+from gevent.event import Event
 
 import storage
 from objectstore import ObjectStore
-from segments import StreamState, decode_header, encode_segment
+from segments import CorruptSegment, StreamState, decode_header, encode_segment
 from storage import (
     AppendRequest,
     AppendResult,
@@ -384,6 +386,98 @@ def test_a_second_store_sees_everything_the_first_wrote(make_store: MakeStore) -
         first.read("closed", None)
     first.create("closed", CreateRequest(JSON))
     assert second.head("closed").content_type == JSON
+
+
+@dataclass
+class HeldRefresh:
+    """A refresh of `path` on `store`, in a greenlet of its own, held inside one segment read.
+
+    The read at `start` completes, or fails its checks when `fails`, only once `release`
+    is set; `tails_seen` records the handle's tail at each segment read it begins.
+    """
+
+    greenlet: gevent.Greenlet
+    held: Event
+    release: Event
+    tails_seen: list[int]
+
+
+def hold_refresh(store: StreamStore, path: str, start: int, *, fails: bool = False) -> HeldRefresh:
+    handle, read_segment = store._streams[path], store.read_segment
+    refresh = HeldRefresh(gevent.Greenlet(store.head, path), Event(), Event(), [])
+
+    def reading(stream: object, at: int, **options: bool) -> object:
+        if gevent.getcurrent() is not refresh.greenlet:
+            return read_segment(stream, at, **options)
+        refresh.tails_seen.append(handle.state.tail)
+        found = read_segment(stream, at, **options)
+        if at == start:
+            refresh.held.set()
+            refresh.release.wait()
+            if fails:
+                raise CorruptSegment("made to fail its checks")
+        return found
+
+    store.read_segment = reading  # type: ignore[method-assign]
+    refresh.greenlet.start()
+    assert refresh.held.wait(WAIT_TIMEOUT_SECONDS)
+    return refresh
+
+
+def test_a_refresh_holding_an_older_segment_never_takes_the_tail_back(
+    make_store: MakeStore,
+) -> None:
+    """Two refreshes of one handle overlap (S3 reads yield); the slower read an older segment."""
+    writer, reader = make_store(), make_store()
+    writer.create("log", CreateRequest(TEXT))
+    reader.head("log")  # the reader's handle knows the empty stream
+    tails = [append_text(writer, "log", b"%d;" % number).info.tail for number in range(3)]
+    slow = hold_refresh(reader, "log", tails[0])  # the second segment's state in hand
+    assert reader.head("log").tail == tails[-1]  # a second refresh reads to the true tail
+    slow.release.set()
+    assert slow.greenlet.get(timeout=WAIT_TIMEOUT_SECONDS).tail == tails[-1]
+    after_release = slow.tails_seen[slow.tails_seen.index(tails[0]) + 1 :]
+    assert after_release == [tails[-1]], slow.tails_seen  # it looked past the tail only
+
+
+def test_a_failed_read_of_a_segment_another_read_verified_drops_nothing(
+    make_store: MakeStore,
+) -> None:
+    writer, reader = make_store(), make_store()
+    writer.create("log", CreateRequest(TEXT))
+    reader.head("log")
+    tails = [append_text(writer, "log", b"%d;" % number).info.tail for number in range(2)]
+    slow = hold_refresh(reader, "log", 0, fails=True)
+    assert reader.head("log").tail == tails[-1]
+    slow.release.set()
+    slow.greenlet.join(timeout=WAIT_TIMEOUT_SECONDS)
+    assert read_all(make_store(), "log") == b"0;1;"
+
+
+def test_a_writer_whose_segment_a_refresh_read_past_keeps_the_further_tail(
+    make_store: MakeStore,
+) -> None:
+    """While our create is in flight, another store appends after it and a refresh reads both."""
+    ours, other = make_store(), make_store()
+    ours.create("log", CreateRequest(TEXT))
+    other.head("log")
+    handle, create = ours._streams["log"], ours.objects.create
+    landed, release = Event(), Event()
+
+    def creating(key: str, data: bytes) -> None:
+        create(key, data)
+        landed.set()
+        release.wait()  # the segment is in storage; our writer has not heard yet
+
+    ours.objects.create = creating  # type: ignore[method-assign]
+    writing = gevent.spawn(append_text, ours, "log", b"ours;")
+    assert landed.wait(WAIT_TIMEOUT_SECONDS)
+    further = append_text(other, "log", b"theirs;").info.tail  # lands after ours
+    assert ours.head("log").tail == further
+    release.set()
+    assert writing.get(timeout=WAIT_TIMEOUT_SECONDS).info.tail == len(b"ours;")
+    assert handle.state.tail == further
+    assert read_all(ours, "log") == b"ours;theirs;"
 
 
 def test_stores_alternating_on_one_stream_never_overwrite(make_store: MakeStore) -> None:
