@@ -248,6 +248,16 @@ class ObjectStore:
         except FileNotFoundError:
             return None
 
+    def may_exist(self, key: str) -> bool:
+        """False only when `key` surely does not exist; never a request to storage.
+
+        On local disk a stat, which costs a tenth of a measured read that fails: a
+        stream with a waiting reader looks for its next segment twenty times a second.
+        Elsewhere True: the read that follows is the check, and costs one request
+        either way.
+        """
+        return not self.is_local or os.path.exists(self.path(key))
+
     def exists(self, key: str) -> bool:
         if self.is_local:
             return os.path.exists(self.path(key))

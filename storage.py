@@ -340,7 +340,7 @@ class _Stream:
     last_info: StreamInfo | None = None
     gone: bool = False
 
-    @property
+    @functools.cached_property
     def prefix(self) -> str:
         return f"streams/{stream_key(self.config.path)}/{self.config.incarnation}"
 
@@ -736,6 +736,8 @@ class StreamStore:
         found, started = False, time.monotonic()
         while not stream.state.closed:
             position = stream.state.tail
+            if not self.objects.may_exist(stream.segment_key(position)):
+                break
             try:
                 index, state = self.read_segment(stream, position, whole=True)
             except FileNotFoundError:

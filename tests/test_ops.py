@@ -330,8 +330,24 @@ def test_sse_subscribers_cost_no_storage_request_per_event(
         reader.join(DEADLINE_SECONDS)
     deliveries = SSE_SUBSCRIBERS * SSE_EVENTS
     storage_requests = storage_reads(server) - before
-    # Polling for other processes' appends costs a read per 50 ms, whatever the audience.
+    # Polling for other processes' appends costs a stat per 50 ms, whatever the audience.
     assert storage_requests < deliveries / 4, (storage_requests, deliveries)
+
+
+def test_a_waiting_long_poll_reads_nothing_from_a_local_disk(
+    start_server: StartServer, unique_stream: str
+) -> None:
+    """Looking for other processes' appends twenty times a second is a stat, not a read."""
+    server = start_server(long_poll_timeout=2)
+    create(server, unique_stream)
+    before = storage_reads(server)
+    response = requests.get(
+        server.stream_url(unique_stream),
+        params={"offset": "now", "live": "long-poll"},
+        timeout=DEADLINE_SECONDS,
+    )
+    assert response.status_code == 204, response.text  # it waited the whole 2 s
+    assert storage_reads(server) - before < 4  # the handle's checks, not 40 polls
 
 
 def test_a_killed_worker_leaves_no_live_connections_behind(
