@@ -388,6 +388,14 @@ def test_a_second_store_sees_everything_the_first_wrote(make_store: MakeStore) -
     assert second.head("closed").content_type == JSON
 
 
+def stores_knowing_an_empty_stream(make_store: MakeStore, path: str) -> list[StreamStore]:
+    """Two stores (two nodes), each with a handle on a new, empty text stream."""
+    stores = [make_store(), make_store()]
+    stores[0].create(path, CreateRequest(TEXT))
+    stores[1].head(path)
+    return stores
+
+
 @dataclass
 class HeldRefresh:
     """A refresh of `path` on `store`, in a greenlet of its own, held inside one segment read.
@@ -428,9 +436,7 @@ def test_a_refresh_holding_an_older_segment_never_takes_the_tail_back(
     make_store: MakeStore,
 ) -> None:
     """Two refreshes of one handle overlap (S3 reads yield); the slower read an older segment."""
-    writer, reader = make_store(), make_store()
-    writer.create("log", CreateRequest(TEXT))
-    reader.head("log")  # the reader's handle knows the empty stream
+    writer, reader = stores_knowing_an_empty_stream(make_store, "log")
     tails = [append_text(writer, "log", b"%d;" % number).info.tail for number in range(3)]
     slow = hold_refresh(reader, "log", tails[0])  # the second segment's state in hand
     assert reader.head("log").tail == tails[-1]  # a second refresh reads to the true tail
@@ -444,9 +450,7 @@ def test_a_refresh_holding_an_older_segment_never_takes_the_tail_back(
 def test_a_failed_read_of_a_segment_another_read_verified_drops_nothing(
     make_store: MakeStore,
 ) -> None:
-    writer, reader = make_store(), make_store()
-    writer.create("log", CreateRequest(TEXT))
-    reader.head("log")
+    writer, reader = stores_knowing_an_empty_stream(make_store, "log")
     tails = [append_text(writer, "log", b"%d;" % number).info.tail for number in range(2)]
     slow = hold_refresh(reader, "log", 0, fails=True)
     assert reader.head("log").tail == tails[-1]
@@ -459,9 +463,7 @@ def test_a_writer_whose_segment_a_refresh_read_past_keeps_the_further_tail(
     make_store: MakeStore,
 ) -> None:
     """While our create is in flight, another store appends after it and a refresh reads both."""
-    ours, other = make_store(), make_store()
-    ours.create("log", CreateRequest(TEXT))
-    other.head("log")
+    ours, other = stores_knowing_an_empty_stream(make_store, "log")
     handle, create = ours._streams["log"], ours.objects.create
     landed, release = Event(), Event()
 
