@@ -371,7 +371,7 @@ class _Stream:
         segments = self.segments
         segments.pop(key, None)
         segments[key] = index
-        if len(segments) > SEGMENT_INDEXES_KEPT:
+        while len(segments) > SEGMENT_INDEXES_KEPT:
             del segments[next(iter(segments))]
 
     def add_start(self, start: int) -> None:
