@@ -1229,20 +1229,20 @@ class StreamStore:
             return pieces
         if end > stream.state.tail:
             self._refresh(stream)
-        piece = max(bisect.bisect_right(stream.starts, start) - 1, 0)
-        while start < end and piece < len(stream.starts):
-            index = self.segment(stream, stream.starts[piece])
-            if index.start > start:
+        while start < end:
+            # Found anew for each piece: reading an index may yield, and compaction may
+            # replace `stream.starts` meanwhile; a position into the old list would skip.
+            piece = bisect.bisect_right(stream.starts, start) - 1
+            index = self.segment(stream, stream.starts[piece]) if piece >= 0 else None
+            if index is None or not index.start <= start < index.end:
                 stream.indexed_at = 0.0  # re-list before the next request
                 raise StorageUnavailable(f"index of {stream.config.path} has a gap at {start}")
-            if index.end > start:
-                length = min(end, index.end) - start
-                key = stream.piece_key(index.start)
-                byte_position = index.payload_position + start - index.start
-                size = index.payload_position + index.end - index.start
-                pieces.append((key, byte_position, length, size))
-                start += length
-            piece += 1
+            length = min(end, index.end) - start
+            key = stream.piece_key(index.start)
+            byte_position = index.payload_position + start - index.start
+            size = index.payload_position + index.end - index.start
+            pieces.append((key, byte_position, length, size))
+            start += length
         return pieces
 
     def _byte_chunks(self, slices: list[tuple[str, int, int, int]]) -> Iterator[bytes]:

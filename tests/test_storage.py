@@ -20,6 +20,7 @@ import orjson
 import pytest
 from gevent.event import Event
 
+import compaction
 import storage
 from objectstore import ObjectStore
 from segments import CorruptSegment, StreamState, decode_header, encode_segment
@@ -195,6 +196,32 @@ def test_json_boundaries_hold_once_old_segment_indexes_are_forgotten(
     with pytest.raises(InvalidRequest):
         store.read("events", 1)  # inside the first segment's message, long forgotten
     assert len(store._streams["events"].segments) == 4
+
+
+def test_a_read_whole_while_compaction_packs_the_segments_it_reads(
+    make_store: MakeStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reading an index may yield; compaction may swap the stream's pieces meanwhile."""
+    monkeypatch.setattr(storage, "SEGMENT_INDEXES_KEPT", 2)  # the read re-reads indexes
+    store = make_store()
+    store.create("events", CreateRequest(JSON))
+    for number in range(12):  # one segment each
+        append_json(store, "events", number)
+    handle, read_segment = store._streams["events"], store.read_segment
+    packed: list[int] = []
+
+    def reading(stream: object, start: int, **options: bool) -> object:
+        found = read_segment(stream, start, **options)
+        if not packed and start == 2:  # mid-read: pack everything before the last piece
+            packed.append(len(handle.starts))
+            store.read_segment = read_segment  # type: ignore[method-assign]
+            compaction._compact(store, handle)
+            store.read_segment = reading  # type: ignore[method-assign]
+        return found
+
+    store.read_segment = reading  # type: ignore[method-assign]
+    assert read_all(store, "events") == b"[0,1,2,3,4,5,6,7,8,9,10,11]"
+    assert packed and len(handle.starts) < packed[0]  # compaction did pack, mid-read
 
 
 def test_forks_read_their_source_up_to_the_fork_point(make_store: MakeStore) -> None:
