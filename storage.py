@@ -721,9 +721,17 @@ class StreamStore:
             log.warning("could not delete %d compacted or trimmed objects: %s", len(keys), error)
 
     def segment(self, stream: _Stream, start: int) -> SegmentIndex:
-        """The index of the piece at `start`, read from storage only the first time."""
-        index = stream.segments.get(stream.piece_key(start))
-        return index if index is not None else self.read_segment(stream, start)[0]
+        """The index of the piece at `start`, read from storage only the first time.
+
+        Compaction may swap a pack in at `start` while the read yields (S3): the index
+        returned is always that of the piece `stream.piece_key(start)` names on return,
+        so a caller never reads one object's bytes at another's positions.
+        """
+        while True:
+            key = stream.piece_key(start)
+            index = stream.segments.get(key) or self.read_segment(stream, start)[0]
+            if stream.piece_key(start) == key:
+                return index
 
     def _refresh(self, stream: _Stream) -> bool:
         """Pick up segments other processes wrote after our tail; True if any.

@@ -198,10 +198,15 @@ def test_json_boundaries_hold_once_old_segment_indexes_are_forgotten(
     assert len(store._streams["events"].segments) == 4
 
 
+@pytest.mark.parametrize("packed_at", [0, 2], ids=["the piece read", "a piece read before"])
 def test_a_read_whole_while_compaction_packs_the_segments_it_reads(
-    make_store: MakeStore, monkeypatch: pytest.MonkeyPatch
+    make_store: MakeStore, monkeypatch: pytest.MonkeyPatch, packed_at: int
 ) -> None:
-    """Reading an index may yield; compaction may swap the stream's pieces meanwhile."""
+    """Reading an index may yield; compaction may swap the stream's pieces meanwhile.
+
+    Packed at the piece being read, its key names the pack once the read returns; packed
+    after a piece was read, the list of pieces the read walks changes under it.
+    """
     monkeypatch.setattr(storage, "SEGMENT_INDEXES_KEPT", 2)  # the read re-reads indexes
     store = make_store()
     store.create("events", CreateRequest(JSON))
@@ -212,7 +217,7 @@ def test_a_read_whole_while_compaction_packs_the_segments_it_reads(
 
     def reading(stream: object, start: int, **options: bool) -> object:
         found = read_segment(stream, start, **options)
-        if not packed and start == 2:  # mid-read: pack everything before the last piece
+        if not packed and start == packed_at:  # mid-read: pack all but the last piece
             packed.append(len(handle.starts))
             store.read_segment = read_segment  # type: ignore[method-assign]
             compaction._compact(store, handle)
