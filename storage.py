@@ -1213,15 +1213,16 @@ class StreamStore:
         return self._own_message_end(stream, start, stream.state.tail, backward=False)
 
     def _own_message_end(self, stream: _Stream, start: int, limit: int, *, backward: bool) -> int:
-        first = bisect.bisect_right(stream.starts, start) - 1
-        last = bisect.bisect_left(stream.starts, limit) - 1
+        # Walk this list even if compaction puts a shorter one in place while an index is
+        # read (S3): the pieces it names stay readable for the delete grace.
+        starts = stream.starts
+        first = bisect.bisect_right(starts, start) - 1
+        last = bisect.bisect_left(starts, limit) - 1
         order = (
-            range(last, max(first, 0) - 1, -1)
-            if backward
-            else range(max(first, 0), len(stream.starts))
+            range(last, max(first, 0) - 1, -1) if backward else range(max(first, 0), len(starts))
         )
         for position in order:
-            ends = self.segment(stream, stream.starts[position]).message_ends
+            ends = self.segment(stream, starts[position]).message_ends
             candidates = [end for end in ends if start < end <= limit]
             if candidates:
                 return candidates[-1] if backward else candidates[0]

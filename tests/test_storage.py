@@ -198,26 +198,18 @@ def test_json_boundaries_hold_once_old_segment_indexes_are_forgotten(
     assert len(store._streams["events"].segments) == 4
 
 
-@pytest.mark.parametrize("packed_at", [0, 2], ids=["the piece read", "a piece read before"])
-def test_a_read_whole_while_compaction_packs_the_segments_it_reads(
-    make_store: MakeStore, monkeypatch: pytest.MonkeyPatch, packed_at: int
-) -> None:
-    """Reading an index may yield; compaction may swap the stream's pieces meanwhile.
+def compact_when_reading(store: StreamStore, path: str, at: int) -> list[int]:
+    """Pack the stream's pieces in the middle of the first index read of the piece at `at`.
 
-    Packed at the piece being read, its key names the pack once the read returns; packed
-    after a piece was read, the list of pieces the read walks changes under it.
+    Returns a list that holds the number of pieces before packing once it happened.
+    Reading an index yields on S3, and compaction may swap the pieces meanwhile.
     """
-    monkeypatch.setattr(storage, "SEGMENT_INDEXES_KEPT", 2)  # the read re-reads indexes
-    store = make_store()
-    store.create("events", CreateRequest(JSON))
-    for number in range(12):  # one segment each
-        append_json(store, "events", number)
-    handle, read_segment = store._streams["events"], store.read_segment
+    handle, read_segment = store._streams[path], store.read_segment
     packed: list[int] = []
 
     def reading(stream: object, start: int, **options: bool) -> object:
         found = read_segment(stream, start, **options)
-        if not packed and start == packed_at:  # mid-read: pack all but the last piece
+        if not packed and start == at:
             packed.append(len(handle.starts))
             store.read_segment = read_segment  # type: ignore[method-assign]
             compaction._compact(store, handle)
@@ -225,8 +217,40 @@ def test_a_read_whole_while_compaction_packs_the_segments_it_reads(
         return found
 
     store.read_segment = reading  # type: ignore[method-assign]
+    return packed
+
+
+@pytest.mark.parametrize("packed_at", [0, 2], ids=["the piece read", "a piece read before"])
+def test_a_read_whole_while_compaction_packs_the_segments_it_reads(
+    make_store: MakeStore, monkeypatch: pytest.MonkeyPatch, packed_at: int
+) -> None:
+    """Packed at the piece being read, its key names the pack once the index read returns;
+    packed after a piece was read, the list of pieces the read walks changes under it.
+    All but the last piece are packed.
+    """
+    monkeypatch.setattr(storage, "SEGMENT_INDEXES_KEPT", 2)  # the read re-reads indexes
+    store = make_store()
+    store.create("events", CreateRequest(JSON))
+    for number in range(12):  # one segment each
+        append_json(store, "events", number)
+    packed = compact_when_reading(store, "events", packed_at)
     assert read_all(store, "events") == b"[0,1,2,3,4,5,6,7,8,9,10,11]"
-    assert packed and len(handle.starts) < packed[0]  # compaction did pack, mid-read
+    assert packed and len(store._streams["events"].starts) < packed[0]
+
+
+def test_a_read_ends_on_a_message_while_compaction_packs_the_pieces_it_looks_at(
+    make_store: MakeStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Looking back for the last whole message within the limit reads indexes too."""
+    monkeypatch.setattr(storage, "SEGMENT_INDEXES_KEPT", 2)
+    store = make_store()
+    store.create("events", CreateRequest(JSON))
+    for number in range(13):  # one segment each: 0..9 take 2 bytes, 10..12 take 3
+        append_json(store, "events", number)
+    packed = compact_when_reading(store, "events", 20)  # message 10, which the limit cuts
+    result = store.read("events", 0, max_bytes=21)
+    assert (b"".join(result.chunks), result.end) == (b"[0,1,2,3,4,5,6,7,8,9]", 20)
+    assert packed and len(store._streams["events"].starts) < packed[0]
 
 
 def test_forks_read_their_source_up_to_the_fork_point(make_store: MakeStore) -> None:
