@@ -26,8 +26,14 @@
    then from 64 concurrent callers over 1,000 directories, batched as PicoMQ batches
    them (`localdisk.BatchedCreates`: two syncfs calls per batch), with the CPU time
    each costs. These run on the server core, where PicoMQ's worker makes them.
+3. Live latency. compare.py's live loads send one event at a time with a pause between
+   them, so the server's caches are cold at every event. The bare callable and the
+   trivial app take one POST at a time with that pause: the round trip those loads
+   can get at best. Then PicoMQ takes the live SSE and long-poll loads themselves,
+   with its data on disk and on tmpfs, where an fsync costs nothing: what is left on
+   tmpfs is what the stack and PicoMQ's own work cost an event.
 
-    .venv/bin/python bench/ceiling.py                  # ≈ 70 s; more on a slow disk
+    .venv/bin/python bench/ceiling.py                  # ≈ 2 min; more on a slow disk
     .venv/bin/python bench/ceiling.py --duration 5
 
 Servers listen on 127.0.0.1 only and are stopped by PID. Everything is written in a
@@ -90,6 +96,19 @@ def serial_round_trips(target: Target, options: Options) -> Result:
     The least time between a producer starting an append and anything seeing it, before
     any storage is touched: with the durable create below, the floor of live latency.
     """
+    return round_trips(target, options, pause=0.0)
+
+
+def paced_round_trips(target: Target, options: Options) -> Result:
+    """The same, with compare.py's pause between live events after each answer.
+
+    The live loads send one event at a time with that pause, and the server's caches
+    go cold between events: this is the round trip those loads can get at best.
+    """
+    return round_trips(target, options, pause=loads.LIVE_PAUSE_SECONDS)
+
+
+def round_trips(target: Target, options: Options, *, pause: float) -> Result:
     connection = http.client.HTTPConnection(servers.HOST, target.port, timeout=10)
     body, headers = loads.message(), {"Content-Type": "application/json"}
     latencies: list[float] = []
@@ -99,6 +118,7 @@ def serial_round_trips(target: Target, options: Options) -> Result:
         connection.request("POST", "/serial", body, headers)
         connection.getresponse().read()
         latencies.append(time.perf_counter() - started)
+        time.sleep(pause)
     connection.close()
     figures = latency_figures(latencies)
     figures["msgs_per_s"] = len(latencies) / sum(latencies)
@@ -124,6 +144,12 @@ STACKS: tuple[tuple[str, str, Callable[[Target, Options], Result], bool], ...] =
     ("picomq_batch_memory", "wsgi:app", loads.batched_appends, True),
     ("bare_store", BARE_STORE_APP, loads.appends_one_stream, False),
     ("bare_store_batch", BARE_STORE_APP, loads.batched_appends, False),
+    ("paced_bare", "bench.trivial_app:bare", paced_round_trips, False),
+    ("paced_trivial", "bench.trivial_app:app", paced_round_trips, False),
+    ("live_sse", "wsgi:app", loads.live_sse, False),
+    ("live_sse_memory", "wsgi:app", loads.live_sse, True),
+    ("live_long_poll", "wsgi:app", loads.live_long_poll, False),
+    ("live_long_poll_memory", "wsgi:app", loads.live_long_poll, True),
 )
 JSON_PARSES = 200
 SERIAL_REQUESTS = 2000
@@ -224,9 +250,10 @@ def measure_stack(
             shutil.rmtree(memory_dir, ignore_errors=True)  # tmpfs keeps it in memory till then
     notes += [f"{name}: {note}" for note in result.notes]
     figures = result.figures
-    line = f"{name:19} {figures['msgs_per_s']:,.0f} messages/s"
-    line += f" · p50 {figures['p50_ms']:.2f} ms · p99 {figures['p99_ms']:.2f} ms"
-    if "server_cpu_pct" in figures:  # the wrk loads; the serial round trips have no more
+    line = f"{name:21} p50 {figures['p50_ms']:.2f} ms · p99 {figures['p99_ms']:.2f} ms"
+    if "msgs_per_s" in figures:  # all but the live loads
+        line += f" · {figures['msgs_per_s']:,.0f} messages/s"
+    if "mb_per_s" in figures:  # the wrk loads
         line += f" · {figures['mb_per_s']:.1f} MB/s · server CPU {figures['server_cpu_pct']:.0f} %"
     print(line, flush=True)
     return figures
@@ -396,11 +423,15 @@ def format_table(figures: dict[str, Figures], arguments: argparse.Namespace) -> 
         f"{loads.BATCH_MESSAGES:,}-message JSON arrays (≈{batch_kb} KB) per POST, "
         f"{Options.batch_connections} connections"
     )
+    round_trip = (("p50_ms", "round trip p50 ms", "{:,.2f}"), ("p99_ms", "p99 ms", "{:,.2f}"))
+    event = (("p50_ms", "append start → event p50 ms", "{:,.2f}"), ("p99_ms", "p99 ms", "{:,.2f}"))
+    pause_ms = 1000 * loads.LIVE_PAUSE_SECONDS
+    live = f"{Options.events} events, one at a time, {pause_ms:g} ms apart"
     sections = (
         (
             f"(1) trivial Flask app, one 100-byte POST at a time, {SERIAL_REQUESTS:,} of them",
             "trivial_serial",
-            (("p50_ms", "round trip p50 ms", "{:,.2f}"), ("p99_ms", "p99 ms", "{:,.2f}")),
+            round_trip,
         ),
         (
             f"(1) trivial Flask app served as PicoMQ is, {load}",
@@ -469,6 +500,20 @@ def format_table(figures: dict[str, Figures], arguments: argparse.Namespace) -> 
                 ("cpu_ms", "CPU ms per create (user + system)", "{:.3f}"),
             ),
         ),
+        (
+            f"(3) bare WSGI callable, one 100-byte POST every {pause_ms:g} ms",
+            "paced_bare",
+            round_trip,
+        ),
+        (
+            f"(3) trivial Flask app, one 100-byte POST every {pause_ms:g} ms",
+            "paced_trivial",
+            round_trip,
+        ),
+        (f"(3) PicoMQ, compare.py's live SSE load ({live})", "live_sse", event),
+        (f"(3) the same, data on tmpfs ({MEMORY_FILESYSTEM})", "live_sse_memory", event),
+        (f"(3) PicoMQ, compare.py's live long-poll load ({live})", "live_long_poll", event),
+        ("(3) the same, data on tmpfs", "live_long_poll_memory", event),
     )
     lines = ["| measure | figure | value |", "|---|---|---:|"]
     for title, key, shown in sections:
