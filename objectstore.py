@@ -266,6 +266,17 @@ class ObjectStore:
             pass
         return True
 
+    def make_durable(self, key: str) -> None:
+        """Make sure an object that exists survives a crash of this machine.
+
+        On local disk another process may have linked it into place but not yet synced
+        its directory (localdisk.py does that after the link): a reader that served it
+        then could see it taken back by a crash, and its offsets reused. Syncing the
+        directory makes the entry stay. Elsewhere an object is durable once it exists.
+        """
+        if self.is_local:
+            run_in_threadpool(localdisk.fsync_directory, os.path.dirname(self.path(key)))
+
     def exists(self, key: str) -> bool:
         if self.is_local:
             return os.path.exists(self.path(key))

@@ -685,13 +685,17 @@ class StreamStore:
         """Header (and state) of a segment or pack; `whole` also checks its payload.
 
         The last segment of a stream is read whole: it is the one a crash could have
-        torn, its state is the stream's, and readers will want its bytes next.
+        torn, its state is the stream's, and readers will want its bytes next. Read
+        from storage, it may be another process's, just linked: made durable before
+        anything in it is served.
         """
         data = self.cache.get(key)
         if data is None:
             data = (
                 self.objects.read(key) if whole else self.objects.read(key, 0, HEADER_PROBE_BYTES)
             )
+            if whole:
+                self.objects.make_durable(key)
         length = header_length(data)
         if length > len(data):
             data = self.objects.read(key, 0, length)

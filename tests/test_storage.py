@@ -10,6 +10,7 @@ calling greenlet waits, so no monkey-patching is needed.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -21,6 +22,7 @@ import pytest
 from gevent.event import Event
 
 import compaction
+import localdisk
 import storage
 from objectstore import ObjectStore
 from segments import CorruptSegment, StreamState, decode_header, encode_segment
@@ -251,6 +253,28 @@ def test_a_read_ends_on_a_message_while_compaction_packs_the_pieces_it_looks_at(
     result = store.read("events", 0, max_bytes=21)
     assert (b"".join(result.chunks), result.end) == (b"[0,1,2,3,4,5,6,7,8,9]", 20)
     assert packed and len(store._streams["events"].starts) < packed[0]
+
+
+def test_another_stores_segment_is_made_durable_before_a_reader_takes_it_in(
+    storage_url: str, make_store: MakeStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its writer syncs the directory only after the link: a crash in between would take
+    back what a reader had served, if the reader did not sync the directory first."""
+    if storage_url.startswith("s3://"):
+        pytest.skip("an object in a bucket is durable once it exists")
+    writer_store, reader_store = make_store(), make_store()
+    writer_store.create("log", CreateRequest(TEXT, payload=Payload(b"0")))
+    assert read_all(reader_store, "log") == b"0"
+    append_text(writer_store, "log", b"1")
+    handle, synced = reader_store._streams["log"], []
+
+    def fsync_directory(directory: str) -> None:
+        synced.append((directory, handle.state.tail))
+
+    monkeypatch.setattr(localdisk, "fsync_directory", fsync_directory)
+    assert read_all(reader_store, "log") == b"01"
+    segments = os.path.dirname(reader_store.objects.path(handle.segment_key(1)))
+    assert synced == [(segments, 1)]  # synced while the reader's tail was still 1
 
 
 def test_forks_read_their_source_up_to_the_fork_point(make_store: MakeStore) -> None:
