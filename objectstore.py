@@ -23,7 +23,9 @@ from typing import TypeVar
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+import dirwatch
 import localdisk
+from dirwatch import Cancel, OnCreate
 
 T = TypeVar("T")
 
@@ -276,6 +278,25 @@ class ObjectStore:
         """
         if self.is_local:
             run_in_threadpool(localdisk.fsync_directory, os.path.dirname(self.path(key)))
+
+    def make_directory(self, prefix: str) -> None:
+        """On local disk, the directory for objects under `prefix`, before the first one.
+
+        A directory can be watched (`watch_creates`) only once it exists. Object stores
+        have no directories: nothing to do there.
+        """
+        if self.is_local:
+            self._guarded(run_in_threadpool, localdisk.make_durable_directories, self.path(prefix))
+
+    def watch_creates(self, prefix: str, on_create: OnCreate) -> Cancel | None:
+        """Call `on_create(name)` when any process adds an object directly under `prefix`.
+
+        Local disk only (see dirwatch.py): None elsewhere, or when no watch could be
+        added; the caller then polls. The returned call stops the watch.
+        """
+        if not self.is_local:
+            return None
+        return dirwatch.watcher.watch_creates(self.path(prefix), on_create)
 
     def exists(self, key: str) -> bool:
         if self.is_local:

@@ -414,6 +414,7 @@ def create_store(settings: Settings) -> StreamStore:
         max_read_bytes=settings.max_read_bytes,
         cache_bytes=settings.cache_bytes,
         poll_interval=settings.poll_interval or (0.05 if local else 1.0),
+        watched_poll_interval=settings.poll_interval or 1.0,
         recheck_interval=0.0 if local else 1.0,
         linger_fraction=0.0 if local else 0.5,
         index_max_age=settings.index_max_age,

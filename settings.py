@@ -232,7 +232,8 @@ SETTINGS: tuple[Setting, ...] = (
         "auto",
         _auto_or_positive_float,
         "Seconds between checks for appends made by other processes while readers wait"
-        " (auto: 0.05 on local disk, 1 on object stores, where each check is a request).",
+        " (auto: 0.05 on local disk, 1 on object stores, where each check is a request;"
+        " 1 on local disk where inotify says when to check).",
     ),
     Setting(
         "sweep_interval",

@@ -24,8 +24,9 @@ wrote and validates its batch again against the new state.
 Appends are group-committed: one writer greenlet per stream per process takes every
 pending append, validates them in order, writes them as one segment and only then
 answers them all. Live readers wait on an in-process event; when appends may come
-from another process they also poll for the next segment at a bounded interval,
-and only while someone is waiting (idle streams cost nothing). After a commit the
+from another process they also look for the next segment, and only while someone is
+waiting (idle streams cost nothing): on local disk when an inotify watch says a file
+was added (dirwatch.py), and everywhere at a bounded interval. After a commit the
 writer starts the stream's housekeeping: compaction.py merges small segments into
 packs, retention.py trims the head of streams that keep data by age or size.
 """
@@ -50,7 +51,7 @@ from urllib.parse import quote, unquote
 
 import gevent
 import orjson
-from gevent.event import AsyncResult
+from gevent.event import AsyncResult, Event
 
 import compaction
 import retention
@@ -219,6 +220,7 @@ class ReadResult:
 class StoreSettings:
     max_read_bytes: int = 4 * 1024 * 1024
     poll_interval: float = 0.05
+    watched_poll_interval: float = 1.0  # while a watch says when other processes add segments
     recheck_interval: float = 0.0
     linger_fraction: float = 0.0  # wait this share of the last write before the next batch
     cached_streams: int = 10_000
@@ -331,6 +333,7 @@ class _Stream:
     wakeups: Wakeups = field(default_factory=Wakeups)
     pending: list[_Pending] = field(default_factory=list)
     writing: bool = False
+    creating: int | None = None  # the start of the segment our writer is creating
     waiters: int = 0
     polling: bool = False
     last_access: float = 0.0
@@ -819,6 +822,8 @@ class StreamStore:
             _add_payload(plan, request.payload or Payload(b""))
             plan.state.closed = request.closed
             self._write_segment(stream, plan)
+        else:  # where readers can watch for the first segment (local disk)
+            self.objects.make_directory(f"{stream.prefix}/seg")
         if fork:
             marker = f"{self._source_handle(fork).prefix}/forks/{stream_key(path)}"
             try:
@@ -1035,12 +1040,15 @@ class StreamStore:
             start, payload, plan.append_ends, plan.message_ends, plan.state, token=token
         )
         key = stream.segment_key(start)
+        stream.creating = start
         try:
             self.objects.create(key, data)
         except FileExistsError:
             if self._read_piece(key, whole=True)[0].token != token:
                 raise
             # Our own earlier attempt landed; only its answer was lost.
+        finally:
+            stream.creating = None
         self.cache.put(key, data)
         stream.remember_segment(key, index)  # live readers want it next
         stream.add_start(start)
@@ -1146,10 +1154,11 @@ class StreamStore:
     def wait(self, path: str, offset: int, timeout: float) -> StreamInfo:
         """Return once the stream has data past `offset`, is closed, or `timeout` passed.
 
-        A waiter learns of other processes' appends by polling every `poll_interval`,
-        so a handle checked, or a tail confirmed, within that interval is taken as it
-        is: an SSE subscriber back for the next event costs no storage request, which
-        is what lets one worker follow a stream with thousands of subscribers.
+        A waiter learns of other processes' appends by looking for the next segment
+        (`_poll`), so a handle checked, or a tail confirmed, within `poll_interval` is
+        taken as it is: an SSE subscriber back for the next event costs no storage
+        request, which is what lets one worker follow a stream with thousands of
+        subscribers.
         """
         poll_interval = self.settings.poll_interval
         stream = self._open(path, touch=True, max_age=poll_interval)
@@ -1180,16 +1189,60 @@ class StreamStore:
         return time.monotonic() - stream.refreshed_at < within
 
     def _poll(self, stream: _Stream) -> None:
-        """While readers wait, look for segments written by other processes."""
+        """While readers wait, look for segments written by other processes.
+
+        Where a watch on the segment directory can be added (local disk, Linux), it says
+        when to look, and a timed look every `watched_poll_interval` is the safety net.
+        Without one, look every `poll_interval`, as on object stores; a stream from
+        before directories were made at create has none until its first segment.
+        """
+        nudged = Event()
+        stop_watching = self._watch(stream, nudged)
         try:
             while stream.waiters > 0 and not stream.state.closed:
-                gevent.sleep(self.settings.poll_interval)
+                if stop_watching is None:
+                    gevent.sleep(self.settings.poll_interval)
+                else:
+                    nudged.wait(self.settings.watched_poll_interval)
+                    nudged.clear()
                 try:
-                    self._refresh(stream)
+                    found = self._refresh(stream)
                 except StorageUnavailable:
                     continue
+                if found and stop_watching is None:
+                    stop_watching = self._watch(stream, nudged)
         finally:
+            if stop_watching is not None:
+                stop_watching()
             stream.polling = False
+
+    def _watch(self, stream: _Stream, nudged: Event) -> Callable[[], None] | None:
+        """Set `nudged` when another process may have added a segment; None if unwatched."""
+
+        def on_create(name: str) -> None:
+            if self._may_be_news(stream, name):
+                nudged.set()
+
+        stop_watching = self.objects.watch_creates(f"{stream.prefix}/seg", on_create)
+        if stop_watching is not None:
+            nudged.set()  # a segment added before the watch has no event: look once now
+        return stop_watching
+
+    @staticmethod
+    def _may_be_news(stream: _Stream, name: str) -> bool:
+        """Whether a new entry in the segment directory could be a segment we do not know.
+
+        Temporary files and segments behind the tail are not; nor is the one our writer
+        is creating: if another process took that name, our create fails and the writer
+        catches up and wakes the readers itself. Looking at our own would read back a
+        segment the writer has in hand, before its create even returned.
+        """
+        if not name:  # events were lost
+            return True
+        if not name.isdigit():
+            return False
+        start = int(name)
+        return start >= stream.state.tail and start != stream.creating
 
     def _is_message_boundary(self, stream: _Stream, offset: int) -> bool:
         if offset in (0, stream.state.tail, stream.base):

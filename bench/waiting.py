@@ -2,11 +2,13 @@
 
 A long-poll (or an SSE subscriber) at the tail of a stream costs no request or
 storage read while it waits, but its process looks for segments that other
-processes (other workers, other nodes) may have written: on local disk a stat of the
-stream's next segment every PICOMQ_POLL_INTERVAL (50 ms), per stream with waiting
-readers. This starts PicoMQ as compare.py does (one gevent worker pinned to one core,
-data under bench/results/), opens one long-poll at the tail of each of `--streams`
-streams, and prints the worker's CPU use while they wait. Asserts nothing.
+processes (other workers, other nodes) may have written: on local disk when an
+inotify watch on the stream's segment directory says one was added, and a stat of
+the next segment once a second besides (every PICOMQ_POLL_INTERVAL, 50 ms, where no
+watch can be added), per stream with waiting readers. This starts PicoMQ as
+compare.py does (one gevent worker pinned to one core, data under bench/results/),
+opens one long-poll at the tail of each of `--streams` streams, and prints the
+worker's CPU use while they wait. Asserts nothing.
 
     .venv/bin/python bench/waiting.py --streams 1000
 """

@@ -630,3 +630,57 @@ def test_a_waiting_reader_sees_another_stores_append(make_store: MakeStore) -> N
     info = waiting.get(timeout=WAIT_TIMEOUT_SECONDS + 5)
     assert info.tail == 2, "the reader's wait ended without the other store's append"
     assert read_all(reader_store, "live", 1) == b"1"
+
+
+@pytest.mark.parametrize("initial", [b"0", b""], ids=["with data", "created empty"])
+def test_on_local_disk_a_watch_wakes_a_reader_of_another_stores_append(
+    storage_url: str, initial: bytes
+) -> None:
+    """With a minute between timed looks, only the watch can wake the reader in time;
+    a stream created empty has its segment directory to watch from the start."""
+    if storage_url.startswith("s3://"):
+        pytest.skip("object stores have no watch: they poll")
+    settings = StoreSettings(poll_interval=60, watched_poll_interval=60)
+    writer_store, reader_store = (StreamStore(ObjectStore(storage_url), settings) for _ in "ab")
+    writer_store.create("live", CreateRequest(TEXT, payload=Payload(initial)))
+    waiting = gevent.spawn(reader_store.wait, "live", len(initial), WAIT_TIMEOUT_SECONDS)
+    gevent.sleep(2 * POLL_INTERVAL)  # the reader is waiting before the append
+    assert not waiting.ready()
+    append_text(writer_store, "live", b"1")
+    info = waiting.get(timeout=WAIT_TIMEOUT_SECONDS + 5)
+    assert info.tail == len(initial) + 1, "the wait ended without the other store's append"
+
+
+@pytest.mark.parametrize(
+    ("name", "creating", "news"),
+    [
+        ("", None, True),  # events were lost: look
+        (".tmp-0123", None, False),
+        ("00000000000000000000", None, False),  # behind the tail
+        ("00000000000000000001", None, True),  # at the tail: another process's
+        ("00000000000000000001", 1, False),  # the one our writer is creating
+        ("00000000000000000007", 1, True),  # beyond the tail: we missed one
+    ],
+)
+def test_which_new_files_send_a_waiting_reader_to_look(
+    make_store: MakeStore, name: str, creating: int | None, news: bool
+) -> None:
+    store = make_store()
+    store.create("live", CreateRequest(TEXT, payload=Payload(b"0")))
+    handle = store._streams["live"]
+    handle.creating = creating
+    assert store._may_be_news(handle, name) is news
+
+
+def test_a_writer_names_the_segment_it_is_creating_while_it_does(make_store: MakeStore) -> None:
+    store = make_store()
+    store.create("live", CreateRequest(TEXT, payload=Payload(b"0")))
+    handle, create, seen = store._streams["live"], store.objects.create, []
+
+    def creating(key: str, data: bytes) -> None:
+        seen.append(handle.creating)
+        create(key, data)
+
+    store.objects.create = creating  # type: ignore[method-assign]
+    append_text(store, "live", b"1")
+    assert (seen, handle.creating) == ([1], None)
