@@ -184,14 +184,23 @@ def test_a_segment_is_indexed_by_its_writer_as_its_readers_would(make_store: Mak
     assert (index, state) == decode_header(data)
 
 
+def segment_per_message(
+    make_store: MakeStore, monkeypatch: pytest.MonkeyPatch, *, messages: int, indexes_kept: int
+) -> StreamStore:
+    """A JSON stream "events" holding 0, 1, … in one segment each, whose handle keeps only
+    `indexes_kept` segment indexes: a read must read the others' from storage."""
+    monkeypatch.setattr(storage, "SEGMENT_INDEXES_KEPT", indexes_kept)
+    store = make_store()
+    store.create("events", CreateRequest(JSON))
+    for number in range(messages):
+        append_json(store, "events", number)
+    return store
+
+
 def test_json_boundaries_hold_once_old_segment_indexes_are_forgotten(
     make_store: MakeStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(storage, "SEGMENT_INDEXES_KEPT", 4)
-    store = make_store()
-    store.create("events", CreateRequest(JSON))
-    for number in range(12):  # one segment each
-        append_json(store, "events", number)
+    store = segment_per_message(make_store, monkeypatch, messages=12, indexes_kept=4)
     assert len(store._streams["events"].segments) == 4
     assert read_all(store, "events") == b"[0,1,2,3,4,5,6,7,8,9,10,11]"
     assert read_all(store, "events", 2) == b"[1,2,3,4,5,6,7,8,9,10,11]"
@@ -230,11 +239,7 @@ def test_a_read_whole_while_compaction_packs_the_segments_it_reads(
     packed after a piece was read, the list of pieces the read walks changes under it.
     All but the last piece are packed.
     """
-    monkeypatch.setattr(storage, "SEGMENT_INDEXES_KEPT", 2)  # the read re-reads indexes
-    store = make_store()
-    store.create("events", CreateRequest(JSON))
-    for number in range(12):  # one segment each
-        append_json(store, "events", number)
+    store = segment_per_message(make_store, monkeypatch, messages=12, indexes_kept=2)
     packed = compact_when_reading(store, "events", packed_at)
     assert read_all(store, "events") == b"[0,1,2,3,4,5,6,7,8,9,10,11]"
     assert packed and len(store._streams["events"].starts) < packed[0]
@@ -244,11 +249,8 @@ def test_a_read_ends_on_a_message_while_compaction_packs_the_pieces_it_looks_at(
     make_store: MakeStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Looking back for the last whole message within the limit reads indexes too."""
-    monkeypatch.setattr(storage, "SEGMENT_INDEXES_KEPT", 2)
-    store = make_store()
-    store.create("events", CreateRequest(JSON))
-    for number in range(13):  # one segment each: 0..9 take 2 bytes, 10..12 take 3
-        append_json(store, "events", number)
+    # Messages 0..9 take 2 bytes each ("0,"), 10..12 take 3.
+    store = segment_per_message(make_store, monkeypatch, messages=13, indexes_kept=2)
     packed = compact_when_reading(store, "events", 20)  # message 10, which the limit cuts
     result = store.read("events", 0, max_bytes=21)
     assert (b"".join(result.chunks), result.end) == (b"[0,1,2,3,4,5,6,7,8,9]", 20)
