@@ -17,6 +17,7 @@ Watches are limited per user (fs.inotify.max_user_watches); when one cannot be a
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import os
 import struct
@@ -49,9 +50,10 @@ class DirectoryWatcher:
     """
 
     def __init__(self) -> None:
+        self._opened = False
         self._descriptor: int | None = None
-        self._owner_pid = 0
         self._callbacks: dict[int, dict[object, OnCreate]] = {}  # watch descriptor → callbacks
+        self._warned = False
 
     def watch_creates(self, directory: str, on_create: OnCreate) -> Cancel | None:
         """Call `on_create(name)` for each entry created in (or moved into) `directory`.
@@ -67,7 +69,9 @@ class DirectoryWatcher:
         )
         if watch < 0:
             error = ctypes.get_errno()
-            log.debug("no inotify watch on %s: %s", directory, os.strerror(error))
+            if error != errno.ENOENT and not self._warned:  # e.g. ENOSPC: the watch limit
+                self._warned = True
+                log.warning("no inotify watch on %s (%s): polling", directory, os.strerror(error))
             return None
         token = object()
         self._callbacks.setdefault(watch, {})[token] = on_create
@@ -82,10 +86,10 @@ class DirectoryWatcher:
         return cancel
 
     def _open(self) -> int | None:
-        """The descriptor, opened on first use in this process (a forked worker opens its own)."""
-        if self._owner_pid == os.getpid():
+        """The descriptor, opened on first use: in a gunicorn worker, never in the master."""
+        if self._opened:
             return self._descriptor
-        self._owner_pid, self._descriptor, self._callbacks = os.getpid(), None, {}
+        self._opened = True
         if not _CAN_WATCH:
             return None
         descriptor = _LIBC.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)

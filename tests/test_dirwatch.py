@@ -85,6 +85,19 @@ def test_no_watch_on_a_directory_that_does_not_exist(tmp_path: Path) -> None:
     assert dirwatch.watcher.watch_creates(str(tmp_path / "missing"), Heard()) is None
 
 
+def test_a_watch_that_cannot_be_added_is_reported_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Any reason but a missing directory (the watch limit, say) is worth a warning."""
+    a_file = tmp_path / "not-a-directory"
+    a_file.write_bytes(b"")
+    watcher = DirectoryWatcher()
+    with caplog.at_level("WARNING", logger="picomq.dirwatch"):
+        assert watcher.watch_creates(str(a_file), Heard()) is None
+        assert watcher.watch_creates(str(a_file), Heard()) is None
+    assert len(caplog.records) == 1 and "polling" in caplog.records[0].getMessage()
+
+
 def test_events_parse_with_their_padded_names() -> None:
     def event(watch: int, mask: int, name: bytes) -> bytes:
         padded = name.ljust((len(name) // 16 + 1) * 16, b"\0") if name else b""
