@@ -277,7 +277,8 @@ class ObjectStore:
         directory makes the entry stay. Elsewhere an object is durable once it exists.
         """
         if self.is_local:
-            run_in_threadpool(localdisk.fsync_directory, os.path.dirname(self.path(key)))
+            directory = os.path.dirname(self.path(key))
+            self._guarded(run_in_threadpool, localdisk.fsync_directory, directory)
 
     def make_directory(self, prefix: str) -> None:
         """On local disk, the directory for objects under `prefix`, before the first one.

@@ -10,6 +10,7 @@ calling greenlet waits, so no monkey-patching is needed.
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -277,6 +278,25 @@ def test_another_stores_segment_is_made_durable_before_a_reader_takes_it_in(
     assert read_all(reader_store, "log") == b"01"
     segments = os.path.dirname(reader_store.objects.path(handle.segment_key(1)))
     assert synced == [(segments, 1)]  # synced while the reader's tail was still 1
+
+
+def test_a_segment_that_cannot_be_made_durable_is_not_served(
+    storage_url: str, make_store: MakeStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failing directory sync is storage failing: serve what is known, claim no more."""
+    if storage_url.startswith("s3://"):
+        pytest.skip("an object in a bucket is durable once it exists")
+    writer_store, reader_store = make_store(), make_store()
+    writer_store.create("log", CreateRequest(TEXT, payload=Payload(b"0")))
+    assert read_all(reader_store, "log") == b"0"
+    append_text(writer_store, "log", b"1")
+
+    def failing_sync(directory: str) -> None:
+        raise OSError(errno.EIO, "input/output error", directory)
+
+    monkeypatch.setattr(localdisk, "fsync_directory", failing_sync)
+    result = reader_store.read("log", 0)
+    assert (b"".join(result.chunks), result.up_to_date) == (b"0", False)
 
 
 def test_forks_read_their_source_up_to_the_fork_point(make_store: MakeStore) -> None:
