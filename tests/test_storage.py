@@ -258,17 +258,23 @@ def test_a_read_ends_on_a_message_while_compaction_packs_the_pieces_it_looks_at(
     assert packed and len(store._streams["events"].starts) < packed[0]
 
 
-def test_another_stores_segment_is_made_durable_before_a_reader_takes_it_in(
-    storage_url: str, make_store: MakeStore, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Its writer syncs the directory only after the link: a crash in between would take
-    back what a reader had served, if the reader did not sync the directory first."""
+def reader_of_an_append_it_has_not_seen(storage_url: str, make_store: MakeStore) -> StreamStore:
+    """A store that read "log" ("0"), on local disk, before another store appended "1"."""
     if storage_url.startswith("s3://"):
         pytest.skip("an object in a bucket is durable once it exists")
     writer_store, reader_store = make_store(), make_store()
     writer_store.create("log", CreateRequest(TEXT, payload=Payload(b"0")))
     assert read_all(reader_store, "log") == b"0"
     append_text(writer_store, "log", b"1")
+    return reader_store
+
+
+def test_another_stores_segment_is_made_durable_before_a_reader_takes_it_in(
+    storage_url: str, make_store: MakeStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its writer syncs the directory only after the link: a crash in between would take
+    back what a reader had served, if the reader did not sync the directory first."""
+    reader_store = reader_of_an_append_it_has_not_seen(storage_url, make_store)
     handle, synced = reader_store._streams["log"], []
 
     def fsync_directory(directory: str) -> None:
@@ -284,12 +290,7 @@ def test_a_segment_that_cannot_be_made_durable_is_not_served(
     storage_url: str, make_store: MakeStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A failing directory sync is storage failing: serve what is known, claim no more."""
-    if storage_url.startswith("s3://"):
-        pytest.skip("an object in a bucket is durable once it exists")
-    writer_store, reader_store = make_store(), make_store()
-    writer_store.create("log", CreateRequest(TEXT, payload=Payload(b"0")))
-    assert read_all(reader_store, "log") == b"0"
-    append_text(writer_store, "log", b"1")
+    reader_store = reader_of_an_append_it_has_not_seen(storage_url, make_store)
 
     def failing_sync(directory: str) -> None:
         raise OSError(errno.EIO, "input/output error", directory)
