@@ -7,6 +7,7 @@ the test with its output. Teardown signals only the processes these fixtures sta
 
 from __future__ import annotations
 
+import ctypes
 import http.client
 import os
 import sys
@@ -24,6 +25,23 @@ REPO_DIR = Path(__file__).resolve().parent.parent
 BIN_DIR = Path(sys.executable).parent
 READINESS_PATH = "/v1/stream/__readiness-probe"
 DEFAULT_LONG_POLL_TIMEOUT = 0.5
+
+
+def kernel_watches_directories() -> bool:
+    """Whether this kernel hands out an inotify descriptor (Linux; a sandbox may refuse)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if not hasattr(libc, "inotify_init1"):
+        return False
+    descriptor = libc.inotify_init1(os.O_CLOEXEC)
+    if descriptor < 0:
+        return False
+    os.close(descriptor)
+    return True
+
+
+NEEDS_INOTIFY = pytest.mark.skipif(
+    not kernel_watches_directories(), reason="no inotify here: waiting readers poll"
+)
 
 
 def find_executable(name: str) -> Path:

@@ -12,12 +12,13 @@ from pathlib import Path
 
 import gevent
 import pytest
+from conftest import NEEDS_INOTIFY
 from gevent.event import Event
 
 import dirwatch
 from dirwatch import IN_CREATE, IN_IGNORED, IN_Q_OVERFLOW, DirectoryWatcher, parse_events
 
-pytestmark = pytest.mark.skipif(not dirwatch._CAN_WATCH, reason="inotify is Linux only")
+pytestmark = NEEDS_INOTIFY
 
 EVENT_TIMEOUT_SECONDS = 10.0
 

@@ -20,6 +20,7 @@ import fsspec
 import gevent
 import orjson
 import pytest
+from conftest import NEEDS_INOTIFY
 from gevent.event import Event
 
 import compaction
@@ -655,6 +656,7 @@ def test_a_waiting_reader_sees_another_stores_append(make_store: MakeStore) -> N
     assert read_all(reader_store, "live", 1) == b"1"
 
 
+@NEEDS_INOTIFY
 @pytest.mark.parametrize("initial", [b"0", b""], ids=["with data", "created empty"])
 def test_on_local_disk_a_watch_wakes_a_reader_of_another_stores_append(
     storage_url: str, initial: bytes

@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 
 import pytest
 import requests
-from conftest import follow_stream
+from conftest import NEEDS_INOTIFY, follow_stream
 
 if TYPE_CHECKING:
     from conftest import Server, StartServer
@@ -438,7 +438,11 @@ def describe_delays(name: str, delays: list[float]) -> str:
     )
 
 
-@pytest.mark.parametrize("poll_interval", ["auto", "60"], ids=["auto", "watch only"])
+@pytest.mark.parametrize(
+    "poll_interval",
+    ["auto", pytest.param("60", marks=NEEDS_INOTIFY)],
+    ids=["auto", "watch only"],
+)
 def test_live_readers_on_every_worker_wake_on_one_append(
     start_server: StartServer, tmp_path: Path, unique_stream: str, poll_interval: str
 ) -> None:
