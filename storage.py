@@ -563,7 +563,12 @@ class StreamStore:
                 break
             except CorruptSegment as error:
                 self._drop_torn(key, error)
-                keys.pop(starts.pop(), None)
+            except FileNotFoundError as error:
+                # Listed, then gone: the stream was deleted meanwhile, or another
+                # process dropped this piece as torn and the one before is the last.
+                if self.objects.identity(_meta_key(stream.config.path)) != stream.identity:
+                    raise StreamNotFound(f"stream {stream.config.path} was deleted") from error
+            keys.pop(starts.pop(), None)
         while not state.closed:  # segments written while we listed
             key = stream.segment_key(state.tail)
             try:

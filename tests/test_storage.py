@@ -442,6 +442,44 @@ def test_deleting_a_forked_source_keeps_it_for_its_forks(make_store: MakeStore) 
 # -- a second store on the same root (a second node) ---------------------------------------
 
 
+def before_reading(store: StreamStore, key: str, action: Callable[[], None]) -> None:
+    """Run `action` once, just before `store` reads the object at `key` whole."""
+    read = store.objects.read
+
+    def reading(wanted: str, *span: int) -> bytes:
+        if wanted == key and not span:
+            store.objects.read = read  # type: ignore[method-assign]
+            action()
+        return read(wanted, *span)
+
+    store.objects.read = reading  # type: ignore[method-assign]
+
+
+def test_a_stream_deleted_while_a_second_store_loads_it_is_not_found(
+    make_store: MakeStore,
+) -> None:
+    """Loading lists the pieces, then reads the last: another node may delete it between."""
+    first, second = make_store(), make_store()
+    first.create("log", CreateRequest(TEXT, payload=Payload(b"0")))
+    append_text(first, "log", b"1")
+    last_segment = first._streams["log"].segment_key(1)
+    before_reading(second, last_segment, lambda: first.delete("log"))
+    with pytest.raises(StreamNotFound):
+        second.delete("log")
+
+
+def test_a_last_segment_dropped_while_a_second_store_loads_it_leaves_the_one_before(
+    make_store: MakeStore,
+) -> None:
+    """A node that found the last segment torn removes it: what stays is the stream."""
+    first, second = make_store(), make_store()
+    first.create("log", CreateRequest(TEXT, payload=Payload(b"0")))
+    append_text(first, "log", b"1")
+    last_segment = first._streams["log"].segment_key(1)
+    before_reading(second, last_segment, lambda: first.objects.delete_many([last_segment]))
+    assert read_all(second, "log") == b"0"
+
+
 def test_a_second_store_sees_everything_the_first_wrote(make_store: MakeStore) -> None:
     first = make_store()
     expires = (datetime.now(UTC) + timedelta(hours=1)).replace(microsecond=0)
