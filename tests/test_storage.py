@@ -455,14 +455,21 @@ def before_reading(store: StreamStore, key: str, action: Callable[[], None]) -> 
     store.objects.read = reading  # type: ignore[method-assign]
 
 
+def two_segments_a_second_store_has_not_seen(
+    make_store: MakeStore,
+) -> tuple[StreamStore, StreamStore, str]:
+    """The store that wrote "log" ("0", then "1"), a second one, and the last segment's key."""
+    first, second = make_store(), make_store()
+    first.create("log", CreateRequest(TEXT, payload=Payload(b"0")))
+    append_text(first, "log", b"1")
+    return first, second, first._streams["log"].segment_key(1)
+
+
 def test_a_stream_deleted_while_a_second_store_loads_it_is_not_found(
     make_store: MakeStore,
 ) -> None:
     """Loading lists the pieces, then reads the last: another node may delete it between."""
-    first, second = make_store(), make_store()
-    first.create("log", CreateRequest(TEXT, payload=Payload(b"0")))
-    append_text(first, "log", b"1")
-    last_segment = first._streams["log"].segment_key(1)
+    first, second, last_segment = two_segments_a_second_store_has_not_seen(make_store)
     before_reading(second, last_segment, lambda: first.delete("log"))
     with pytest.raises(StreamNotFound):
         second.delete("log")
@@ -472,10 +479,7 @@ def test_a_last_segment_dropped_while_a_second_store_loads_it_leaves_the_one_bef
     make_store: MakeStore,
 ) -> None:
     """A node that found the last segment torn removes it: what stays is the stream."""
-    first, second = make_store(), make_store()
-    first.create("log", CreateRequest(TEXT, payload=Payload(b"0")))
-    append_text(first, "log", b"1")
-    last_segment = first._streams["log"].segment_key(1)
+    first, second, last_segment = two_segments_a_second_store_has_not_seen(make_store)
     before_reading(second, last_segment, lambda: first.objects.delete_many([last_segment]))
     assert read_all(second, "log") == b"0"
 
