@@ -40,7 +40,8 @@ Outcome = OSError | None  # one per object of a batch: None when it was created
 
 def create_durably(path: str, data: bytes) -> None:
     """Create one object durably with fsyncs; `FileExistsError` if `path` exists."""
-    temporary, _ = _write_temporary(path, data, fsync=True)
+    temporary, descriptor = _write_temporary(path, data, fsync=True)
+    os.close(descriptor)
     _link_into_place(temporary, path)
     fsync_directory(os.path.dirname(path))
 
@@ -59,17 +60,34 @@ def create_many(objects: list[tuple[str, bytes]]) -> list[Outcome]:
         except OSError as error:
             return [error]
         return [None]
+    # syncfs takes any descriptor on the filesystem. One of a temporary file this batch
+    # wrote stays valid until closed; a directory's path would not: another stream's
+    # delete may remove it mid-batch, and every create in the batch would fail with it.
+    filesystems: dict[int, int] = {}  # device → an open descriptor on it
+    try:
+        return _create_sharing_syncs(objects, filesystems)
+    finally:
+        for descriptor in filesystems.values():
+            os.close(descriptor)
+
+
+def _create_sharing_syncs(
+    objects: list[tuple[str, bytes]], filesystems: dict[int, int]
+) -> list[Outcome]:
     outcomes: list[Outcome] = [None] * len(objects)
     staged: list[tuple[int, str, str]] = []
-    filesystems: dict[int, str] = {}  # device → a directory on it
     for number, (path, data) in enumerate(objects):
         try:
-            temporary, device = _write_temporary(path, data, fsync=False)
+            temporary, descriptor = _write_temporary(path, data, fsync=False)
         except OSError as error:
             outcomes[number] = error
             continue
         staged.append((number, temporary, path))
-        filesystems.setdefault(device, os.path.dirname(path))
+        device = os.fstat(descriptor).st_dev
+        if device in filesystems:
+            os.close(descriptor)
+        else:
+            filesystems[device] = descriptor
     try:
         _sync_filesystems(filesystems.values())  # the data, before any link publishes it
     except OSError as error:
@@ -144,7 +162,8 @@ class BatchedCreates:
 
 
 def _write_temporary(path: str, data: bytes, *, fsync: bool) -> tuple[str, int]:
-    """A new temporary file beside `path` holding `data`; returns it and its device."""
+    """A new temporary file beside `path` holding `data`: its path, and a descriptor of
+    it still open (the caller closes it)."""
     directory = os.path.dirname(path)
     make_durable_directories(directory)
     temporary = f"{directory}/.tmp-{uuid.uuid4().hex}"
@@ -153,12 +172,11 @@ def _write_temporary(path: str, data: bytes, *, fsync: bool) -> tuple[str, int]:
         write_all(descriptor, data)
         if fsync:
             os.fsync(descriptor)
-        return temporary, os.fstat(descriptor).st_dev
+        return temporary, descriptor
     except OSError:
+        os.close(descriptor)
         _remove_quietly(temporary)
         raise
-    finally:
-        os.close(descriptor)
 
 
 def _link_into_place(temporary: str, path: str) -> None:
@@ -168,15 +186,11 @@ def _link_into_place(temporary: str, path: str) -> None:
         os.unlink(temporary)
 
 
-def _sync_filesystems(directories: Iterable[str]) -> None:
-    for directory in directories:
-        descriptor = os.open(directory, os.O_RDONLY)
-        try:
-            if _SYNCFS(descriptor) != 0:
-                number = ctypes.get_errno()
-                raise OSError(number, os.strerror(number), directory)
-        finally:
-            os.close(descriptor)
+def _sync_filesystems(descriptors: Iterable[int]) -> None:
+    for descriptor in descriptors:
+        if _SYNCFS(descriptor) != 0:
+            number = ctypes.get_errno()
+            raise OSError(number, os.strerror(number))
 
 
 def _remove_quietly(path: str) -> None:

@@ -8,6 +8,7 @@ test_durability kills real servers mid-load on the same code.
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,29 @@ def test_an_object_whose_directory_cannot_exist_fails_alone(tmp_path: Path) -> N
     assert isinstance(outcomes[0], NotADirectoryError)
     assert outcomes[1] is None
     assert (tmp_path / "ok" / "object").read_bytes() == b"kept"
+    assert not leftovers(tmp_path)
+
+
+def test_a_directory_deleted_mid_batch_fails_only_its_own_object(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream deleted while a batch writes its segment: the other streams' segments in
+    the batch are still created (the batch's syncs once needed the first directory)."""
+    write_temporary = localdisk._write_temporary
+    doomed = tmp_path / "deleted-stream" / "seg"
+
+    def deleting_the_first_directory(path: str, data: bytes, *, fsync: bool) -> tuple[str, int]:
+        if not path.startswith(str(doomed)):
+            shutil.rmtree(doomed.parent)  # after the first object's temporary was written
+        return write_temporary(path, data, fsync=fsync)
+
+    monkeypatch.setattr(localdisk, "_write_temporary", deleting_the_first_directory)
+    outcomes = localdisk.create_many(
+        [(f"{doomed}/segment", b"lost"), (f"{tmp_path}/live-stream/seg/segment", b"kept")]
+    )
+    assert isinstance(outcomes[0], FileNotFoundError)
+    assert outcomes[1] is None
+    assert (tmp_path / "live-stream" / "seg" / "segment").read_bytes() == b"kept"
     assert not leftovers(tmp_path)
 
 
