@@ -566,8 +566,7 @@ class StreamStore:
             except FileNotFoundError as error:
                 # Listed, then gone: the stream was deleted meanwhile, or another
                 # process dropped this piece as torn and the one before is the last.
-                if self.objects.identity(_meta_key(stream.config.path)) != stream.identity:
-                    raise StreamNotFound(f"stream {stream.config.path} was deleted") from error
+                self._raise_if_deleted(stream, error)
             keys.pop(starts.pop(), None)
         while not state.closed:  # segments written while we listed
             key = stream.segment_key(state.tail)
@@ -631,6 +630,12 @@ class StreamStore:
                 keys[start] = key
                 covered_to = end
         return starts, keys, unused, earliest
+
+    def _raise_if_deleted(self, stream: _Stream, error: FileNotFoundError) -> None:
+        """StreamNotFound if a piece went missing because another process deleted the
+        stream after we opened it: its meta.json is no longer the one we loaded."""
+        if self.objects.identity(_meta_key(stream.config.path)) != stream.identity:
+            raise StreamNotFound(f"stream {stream.config.path} was deleted") from error
 
     def _fresh(self, stream: _Stream) -> _Stream:
         """Re-list an index older than `index_max_age`: compaction may have moved its data.
@@ -842,10 +847,13 @@ class StreamStore:
             self.objects.create(_meta_key(path), config.to_json())
         except FileExistsError:
             if self._created_by(path, config.incarnation):
-                return True, self._announced_info(path)  # only the answer was lost
+                return True, self._announced_info(path, stream)  # only the answer was lost
             self.objects.delete_tree(stream.prefix)
-            return False, self._confirm(self._open(path), config, request)
-        return True, self._announced_info(path)
+            winner = self._existing_for_create(path)
+            if winner is None:  # another request deleted it already: create it after all
+                return self.create(path, request)
+            return False, self._confirm(winner, config, request)
+        return True, self._announced_info(path, stream)
 
     def _created_by(self, path: str, incarnation: str) -> bool:
         try:
@@ -855,8 +863,19 @@ class StreamStore:
         except FileNotFoundError:
             return False
 
-    def _announced_info(self, path: str) -> StreamInfo:
-        info = self._open(path).info()
+    def _announced_info(self, path: str, created: _Stream) -> StreamInfo:
+        """The info of a stream just created, announced to listeners while it exists.
+
+        Other requests may have deleted it (and created another) already: it was
+        created all the same, and the answer says what was created.
+        """
+        try:
+            current = self._open(path)
+        except StreamNotFound:
+            return created.info()
+        if current.config.incarnation != created.config.incarnation:
+            return created.info()
+        info = current.info()
         self._announce(info)
         return info
 
@@ -1148,13 +1167,27 @@ class StreamStore:
         tail = stream.state.tail
         if start > tail:
             raise InvalidRequest("offset is beyond the end of the stream")
+        try:
+            end, slices = self._plan_read(stream, start, min(tail, start + most))
+            data = _first_taken_now(self._byte_chunks(slices))
+        except FileNotFoundError as error:
+            self._raise_if_deleted(stream, error)
+            raise
+        chunks = self._json_chunks(data) if stream.is_json else data
+        return ReadResult(stream.info(), start, end, chunks, current and end == tail)
+
+    def _plan_read(
+        self, stream: _Stream, start: int, limit: int
+    ) -> tuple[int, list[tuple[str, int, int, int]]]:
+        """Where a read from `start` up to `limit` ends, and the pieces' slices it takes.
+
+        Reading the pieces' indexes here is where a stream that another process deleted
+        since it was opened shows.
+        """
         if stream.is_json and not self._is_message_boundary(stream, start):
             raise InvalidRequest("offset is not a message boundary of this JSON stream")
-        limit = min(tail, start + most)
         end = self._message_end_before(stream, start, limit) if stream.is_json else limit
-        slices = self._slices(stream, start, end)
-        chunks = self._json_chunks(slices) if stream.is_json else self._byte_chunks(slices)
-        return ReadResult(stream.info(), start, end, chunks, current and end == tail)
+        return end, self._slices(stream, start, end)
 
     def wait(self, path: str, offset: int, timeout: float) -> StreamInfo:
         """Return once the stream has data past `offset`, is closed, or `timeout` passed.
@@ -1328,11 +1361,12 @@ class StreamStore:
             else:
                 yield data[position : position + length]
 
-    def _json_chunks(self, slices: list[tuple[str, int, int, int]]) -> Iterator[bytes]:
+    @staticmethod
+    def _json_chunks(data: Iterator[bytes]) -> Iterator[bytes]:
         """Stored messages each end with ',': the array is '[' + bytes minus the last ',' + ']'."""
         yield b"["
         held = b""
-        for chunk in self._byte_chunks(slices):
+        for chunk in data:
             if held:
                 yield held
             held = chunk
@@ -1421,6 +1455,17 @@ class StreamStore:
             self.objects.delete_tree(f"{source.prefix}/forks/{stream_key(config.path)}")
             if self.objects.exists(f"{source.prefix}/gone") and not self.has_forks(source):
                 self._erase(source)
+
+
+def _first_taken_now(chunks: Iterator[bytes]) -> Iterator[bytes]:
+    """`chunks`, the first one read before the answer starts.
+
+    The rest is read as the answer is sent; if another process deletes the stream
+    meanwhile, the answer is cut. Taking the first now makes a read of one piece, as
+    most live reads are, either whole or a 404.
+    """
+    first = next(chunks, None)
+    return chunks if first is None else itertools.chain((first,), chunks)
 
 
 def _info(stream: _Stream, state: StreamState) -> StreamInfo:

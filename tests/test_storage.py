@@ -56,6 +56,7 @@ ALTERNATING_ROUNDS = 12
 WRITERS_PER_STORE = 6
 APPENDS_PER_WRITER = 8
 
+Action = Callable[[], None]
 MakeStore = Callable[[], StreamStore]
 
 
@@ -442,12 +443,13 @@ def test_deleting_a_forked_source_keeps_it_for_its_forks(make_store: MakeStore) 
 # -- a second store on the same root (a second node) ---------------------------------------
 
 
-def before_reading(store: StreamStore, key: str, action: Callable[[], None]) -> None:
-    """Run `action` once, just before `store` reads the object at `key` whole."""
+def before_reading(store: StreamStore, key: str, action: Action, *, whole: bool = False) -> None:
+    """Run `action` once, just before `store` first reads the object at `key` (or, if
+    `whole`, first reads all of it)."""
     read = store.objects.read
 
     def reading(wanted: str, *span: int) -> bytes:
-        if wanted == key and not span:
+        if wanted == key and not (whole and span):
             store.objects.read = read  # type: ignore[method-assign]
             action()
         return read(wanted, *span)
@@ -475,6 +477,29 @@ def test_a_stream_deleted_while_a_second_store_loads_it_is_not_found(
         second.delete("log")
 
 
+def test_a_stream_deleted_by_another_store_while_a_read_looks_up_its_pieces_is_not_found(
+    make_store: MakeStore,
+) -> None:
+    """The handle was checked when the read began; the first segment's index is read after."""
+    first, second, _ = two_segments_a_second_store_has_not_seen(make_store)
+    first_segment = first._streams["log"].segment_key(0)
+    before_reading(second, first_segment, lambda: first.delete("log"))
+    with pytest.raises(StreamNotFound):
+        second.read("log", 0)
+
+
+def test_a_stream_deleted_before_a_read_takes_its_first_bytes_is_not_found(
+    make_store: MakeStore,
+) -> None:
+    """The rest of a long read is read as it is sent, but its first piece before it starts:
+    the answer to a read of one piece is whole or a 404, never cut."""
+    first, second, _ = two_segments_a_second_store_has_not_seen(make_store)
+    first_segment = first._streams["log"].segment_key(0)
+    before_reading(second, first_segment, lambda: first.delete("log"), whole=True)
+    with pytest.raises(StreamNotFound):
+        second.read("log", 0, max_bytes=1)
+
+
 def test_a_last_segment_dropped_while_a_second_store_loads_it_leaves_the_one_before(
     make_store: MakeStore,
 ) -> None:
@@ -482,6 +507,58 @@ def test_a_last_segment_dropped_while_a_second_store_loads_it_leaves_the_one_bef
     first, second, last_segment = two_segments_a_second_store_has_not_seen(make_store)
     before_reading(second, last_segment, lambda: first.objects.delete_many([last_segment]))
     assert read_all(second, "log") == b"0"
+
+
+def when_creating(store: StreamStore, key: str, *, before: Action, after: Action) -> None:
+    """Run `before` and `after` around `store`'s first create of the object at `key`."""
+    create = store.objects.create
+
+    def creating(wanted: str, data: bytes) -> None:
+        if wanted != key:
+            return create(wanted, data)
+        store.objects.create = create  # type: ignore[method-assign]
+        before()
+        try:
+            return create(wanted, data)
+        finally:
+            after()
+
+    store.objects.create = creating  # type: ignore[method-assign]
+
+
+def nothing() -> None:
+    pass
+
+
+def test_a_stream_deleted_by_another_store_as_it_is_created_was_created(
+    make_store: MakeStore,
+) -> None:
+    """Another node's DELETE may land between the create and its answer: still a 201."""
+    first, second = make_store(), make_store()
+    meta = storage._meta_key("log")
+    when_creating(first, meta, before=nothing, after=lambda: second.delete("log"))
+    created, info = first.create("log", CreateRequest(TEXT, payload=Payload(b"abc")))
+    assert (created, info.tail) == (True, 3)
+    with pytest.raises(StreamNotFound):
+        first.head("log")
+
+
+def test_a_create_that_lost_to_a_stream_deleted_meanwhile_creates_it_after_all(
+    make_store: MakeStore,
+) -> None:
+    """Another node created the stream first, then deleted it before this create could
+    confirm it: a PUT means "make sure it exists", so this one creates it."""
+    first, second = make_store(), make_store()
+    meta = storage._meta_key("log")
+    when_creating(
+        first,
+        meta,
+        before=lambda: second.create("log", CreateRequest(TEXT)),
+        after=lambda: second.delete("log"),
+    )
+    created, info = first.create("log", CreateRequest(TEXT, payload=Payload(b"abc")))
+    assert (created, info.tail) == (True, 3)
+    assert read_all(second, "log") == b"abc"
 
 
 def test_a_second_store_sees_everything_the_first_wrote(make_store: MakeStore) -> None:
