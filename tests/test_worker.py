@@ -270,6 +270,26 @@ def test_heads_gunicorn_refused_are_still_refused(
     assert not json_error_problem(response), json_error_problem(response)
 
 
+def test_an_answer_to_a_request_asking_to_close_says_it_closes(server: Server) -> None:
+    """A pooling client then opens a new connection for its next request, rather than
+    sending it on one the server has closed (which fails with no answer)."""
+    url, _ = created_stream(server)
+    with requests.Session() as session:
+        for _ in range(20):
+            answer = session.post(
+                url,
+                data=b"x",
+                headers={"Content-Type": "text/plain", "Connection": "close"},
+                timeout=10,
+            )
+            assert answer.status_code == 204
+            assert answer.headers["Connection"] == "close"
+            read = session.get(f"{url}?offset=-1", headers={"Connection": "close"}, timeout=10)
+            assert (read.status_code, read.headers["Connection"]) == (200, "close")
+    kept_alive = requests.get(f"{url}?offset=-1", timeout=10)
+    assert "Connection" not in kept_alive.headers
+
+
 def test_every_answer_carries_the_current_date_once(server: Server) -> None:
     url, _ = created_stream(server)
     dates = []
