@@ -631,9 +631,10 @@ class StreamStore:
                 covered_to = end
         return starts, keys, unused, earliest
 
-    def _raise_if_deleted(self, stream: _Stream, error: FileNotFoundError) -> None:
-        """StreamNotFound if a piece went missing because another process deleted the
-        stream after we opened it: its meta.json is no longer the one we loaded."""
+    def _raise_if_deleted(self, stream: _Stream, error: Exception) -> None:
+        """StreamNotFound if `error` (a piece missing, or missing from a listing) came from
+        another process deleting the stream after we opened it: its meta.json is no
+        longer the one we loaded."""
         if self.objects.identity(_meta_key(stream.config.path)) != stream.identity:
             raise StreamNotFound(f"stream {stream.config.path} was deleted") from error
 
@@ -1340,7 +1341,9 @@ class StreamStore:
             index = self.segment(stream, stream.starts[piece]) if piece >= 0 else None
             if index is None or not index.start <= start < index.end:
                 stream.indexed_at = 0.0  # re-list before the next request
-                raise StorageUnavailable(f"index of {stream.config.path} has a gap at {start}")
+                gap = StorageUnavailable(f"index of {stream.config.path} has a gap at {start}")
+                self._raise_if_deleted(stream, gap)  # listed while a delete removed pieces
+                raise gap
             length = min(end, index.end) - start
             key = stream.piece_key(index.start)
             byte_position = index.payload_position + start - index.start

@@ -443,18 +443,34 @@ def test_deleting_a_forked_source_keeps_it_for_its_forks(make_store: MakeStore) 
 # -- a second store on the same root (a second node) ---------------------------------------
 
 
-def before_reading(store: StreamStore, key: str, action: Action, *, whole: bool = False) -> None:
-    """Run `action` once, just before `store` first reads the object at `key` (or, if
-    `whole`, first reads all of it)."""
-    read = store.objects.read
+def nothing() -> None:
+    pass
 
-    def reading(wanted: str, *span: int) -> bytes:
-        if wanted == key and not (whole and span):
-            store.objects.read = read  # type: ignore[method-assign]
-            action()
-        return read(wanted, *span)
 
-    store.objects.read = reading  # type: ignore[method-assign]
+def around(
+    store: StreamStore,
+    method: str,
+    key: str,
+    *,
+    before: Action = nothing,
+    after: Action = nothing,
+    whole: bool = False,
+) -> None:
+    """Run `before` and `after` around the first call of `store.objects.<method>` on `key`
+    (with `whole`, the first without a byte range): another node acting in between."""
+    original = getattr(store.objects, method)
+
+    def call(wanted: str, *arguments: object) -> object:
+        if wanted != key or (whole and arguments):
+            return original(wanted, *arguments)
+        setattr(store.objects, method, original)
+        before()
+        try:
+            return original(wanted, *arguments)
+        finally:
+            after()
+
+    setattr(store.objects, method, call)
 
 
 def two_segments_a_second_store_has_not_seen(
@@ -472,7 +488,7 @@ def test_a_stream_deleted_while_a_second_store_loads_it_is_not_found(
 ) -> None:
     """Loading lists the pieces, then reads the last: another node may delete it between."""
     first, second, last_segment = two_segments_a_second_store_has_not_seen(make_store)
-    before_reading(second, last_segment, lambda: first.delete("log"))
+    around(second, "read", last_segment, before=lambda: first.delete("log"))
     with pytest.raises(StreamNotFound):
         second.delete("log")
 
@@ -483,7 +499,26 @@ def test_a_stream_deleted_by_another_store_while_a_read_looks_up_its_pieces_is_n
     """The handle was checked when the read began; the first segment's index is read after."""
     first, second, _ = two_segments_a_second_store_has_not_seen(make_store)
     first_segment = first._streams["log"].segment_key(0)
-    before_reading(second, first_segment, lambda: first.delete("log"))
+    around(second, "read", first_segment, before=lambda: first.delete("log"))
+    with pytest.raises(StreamNotFound):
+        second.read("log", 0)
+
+
+def test_a_stream_listed_while_another_store_deletes_its_pieces_is_not_found(
+    make_store: MakeStore,
+) -> None:
+    """A delete removes meta.json, then the pieces one by one: a listing taken meanwhile
+    misses some, and the gap it leaves is the stream being deleted, not storage failing."""
+    first, second, _ = two_segments_a_second_store_has_not_seen(make_store)
+    append_text(first, "log", b"2")
+    handle = first._streams["log"]
+    middle_segment = handle.segment_key(1)
+
+    def delete_under_way() -> None:
+        first.objects.delete(storage._meta_key("log"))
+        first.objects.delete_many([middle_segment])
+
+    around(second, "list", f"{handle.prefix}/seg", before=delete_under_way)
     with pytest.raises(StreamNotFound):
         second.read("log", 0)
 
@@ -495,7 +530,7 @@ def test_a_stream_deleted_before_a_read_takes_its_first_bytes_is_not_found(
     the answer to a read of one piece is whole or a 404, never cut."""
     first, second, _ = two_segments_a_second_store_has_not_seen(make_store)
     first_segment = first._streams["log"].segment_key(0)
-    before_reading(second, first_segment, lambda: first.delete("log"), whole=True)
+    around(second, "read", first_segment, before=lambda: first.delete("log"), whole=True)
     with pytest.raises(StreamNotFound):
         second.read("log", 0, max_bytes=1)
 
@@ -505,29 +540,8 @@ def test_a_last_segment_dropped_while_a_second_store_loads_it_leaves_the_one_bef
 ) -> None:
     """A node that found the last segment torn removes it: what stays is the stream."""
     first, second, last_segment = two_segments_a_second_store_has_not_seen(make_store)
-    before_reading(second, last_segment, lambda: first.objects.delete_many([last_segment]))
+    around(second, "read", last_segment, before=lambda: first.objects.delete_many([last_segment]))
     assert read_all(second, "log") == b"0"
-
-
-def when_creating(store: StreamStore, key: str, *, before: Action, after: Action) -> None:
-    """Run `before` and `after` around `store`'s first create of the object at `key`."""
-    create = store.objects.create
-
-    def creating(wanted: str, data: bytes) -> None:
-        if wanted != key:
-            return create(wanted, data)
-        store.objects.create = create  # type: ignore[method-assign]
-        before()
-        try:
-            return create(wanted, data)
-        finally:
-            after()
-
-    store.objects.create = creating  # type: ignore[method-assign]
-
-
-def nothing() -> None:
-    pass
 
 
 def test_a_stream_deleted_by_another_store_as_it_is_created_was_created(
@@ -536,7 +550,7 @@ def test_a_stream_deleted_by_another_store_as_it_is_created_was_created(
     """Another node's DELETE may land between the create and its answer: still a 201."""
     first, second = make_store(), make_store()
     meta = storage._meta_key("log")
-    when_creating(first, meta, before=nothing, after=lambda: second.delete("log"))
+    around(first, "create", meta, after=lambda: second.delete("log"))
     created, info = first.create("log", CreateRequest(TEXT, payload=Payload(b"abc")))
     assert (created, info.tail) == (True, 3)
     with pytest.raises(StreamNotFound):
@@ -550,8 +564,9 @@ def test_a_create_that_lost_to_a_stream_deleted_meanwhile_creates_it_after_all(
     confirm it: a PUT means "make sure it exists", so this one creates it."""
     first, second = make_store(), make_store()
     meta = storage._meta_key("log")
-    when_creating(
+    around(
         first,
+        "create",
         meta,
         before=lambda: second.create("log", CreateRequest(TEXT)),
         after=lambda: second.delete("log"),
