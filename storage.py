@@ -802,7 +802,9 @@ class StreamStore:
         except (FileNotFoundError, CorruptSegment):  # removed or torn: the careful way
             self._refresh(stream)
             return
-        if state.tail > stream.state.tail:  # else a reader's refresh got further meanwhile
+        # Further on, or closed where we stand (another process's close is an empty
+        # segment at our tail); else a reader's refresh got further meanwhile.
+        if (state.tail, state.closed) > (stream.state.tail, stream.state.closed):
             for start in starts:
                 stream.add_start(start)
             stream.state = state

@@ -576,6 +576,21 @@ def test_a_create_that_lost_to_a_stream_deleted_meanwhile_creates_it_after_all(
     assert read_all(second, "log") == b"abc"
 
 
+def test_an_append_through_a_store_that_missed_another_store_s_close_is_refused(
+    make_store: MakeStore,
+) -> None:
+    """A close is an empty segment at the tail: the append loses the race to create there,
+    and must learn the stream is closed, not retry at the same tail until it gives up."""
+    first, second = make_store(), make_store()
+    first.create("log", CreateRequest(TEXT, payload=Payload(b"abc")))
+    assert read_all(second, "log") == b"abc"
+    first.append("log", AppendRequest(None, None, close=True))
+    with pytest.raises(StreamClosed) as closed:
+        append_text(second, "log", b"x")
+    assert closed.value.tail == 3
+    assert read_all(second, "log") == b"abc"
+
+
 def test_a_second_store_sees_everything_the_first_wrote(make_store: MakeStore) -> None:
     first = make_store()
     expires = (datetime.now(UTC) + timedelta(hours=1)).replace(microsecond=0)
