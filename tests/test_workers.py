@@ -705,13 +705,18 @@ def test_concurrent_deletes_of_one_stream_answer_one_204(
     assert any(len(workers) >= 2 for workers in spread), f"no race spanned workers: {spread}"
 
 
-# What each request may answer while others delete its stream. A long-poll from "now"
-# may find the stream deleted and re-created shorter: its offset is then beyond the end.
+# What each request may answer while others close and delete its stream (a create or an
+# append meets a closed stream: 409). A long-poll from "now" may find the stream deleted
+# and re-created shorter: its offset is then beyond the end.
 ANSWERS_AROUND_DELETES = {
     "create 200",
     "create 201",
+    "create 409",
     "append 204",
     "append 404",
+    "append 409",
+    "close 204",
+    "close 404",
     "read 200",
     "read 404",
     "read cut",
@@ -727,7 +732,9 @@ ANSWERS_AROUND_DELETES = {
 
 def mixed_request(session: requests.Session, url: str, choose: random.Random) -> str:
     """One request of a random kind to `url`: "<kind> <status>", or "<kind> cut"."""
-    [kind] = choose.choices(["create", "append", "read", "long-poll", "delete"], [3, 10, 6, 2, 1])
+    [kind] = choose.choices(
+        ["create", "append", "close", "read", "long-poll", "delete"], [3, 10, 1, 6, 2, 1]
+    )
     headers = {**CLOSE_CONNECTION, "Content-Type": JSON_TYPE}
     try:
         if kind == "create":
@@ -736,6 +743,9 @@ def mixed_request(session: requests.Session, url: str, choose: random.Random) ->
             answer = session.post(
                 url, data=b"[2,3]", headers=headers, timeout=REQUEST_TIMEOUT_SECONDS
             )
+        elif kind == "close":
+            closing = {**headers, CLOSED: "true"}
+            answer = session.post(url, headers=closing, timeout=REQUEST_TIMEOUT_SECONDS)
         elif kind == "read":
             answer = session.get(
                 f"{url}?offset=-1", headers=CLOSE_CONNECTION, timeout=REQUEST_TIMEOUT_SECONDS
@@ -756,9 +766,9 @@ def mixed_request(session: requests.Session, url: str, choose: random.Random) ->
 def test_requests_racing_deletes_on_every_worker_never_answer_a_server_error(
     start_server: StartServer, tmp_path: Path, unique_stream: str
 ) -> None:
-    """Creates, appends, reads and long-polls keep coming while other requests delete the
-    same few streams, on every worker: each answers as if it came wholly before or after
-    a DELETE (a 404, or a 201 for a create), never a 5xx."""
+    """Creates, appends, reads and long-polls keep coming while other requests close and
+    delete the same few streams, on every worker: each answers as if it came wholly before
+    or after a close (a 409) or a DELETE (a 404, or a 201 for a create), never a 5xx."""
     server, _ = start_logged_server(start_server, tmp_path, long_poll_timeout=0.3)
     urls = [server.stream_url(f"{unique_stream}-{number}") for number in range(MIXED_STREAMS)]
     stop_at = time.monotonic() + MIXED_SECONDS
