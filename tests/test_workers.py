@@ -730,34 +730,31 @@ ANSWERS_AROUND_DELETES = {
 }
 
 
+# Each kind of request the racing clients send: method, query, body, headers beyond
+# Connection: close; and how often each is sent, relative to the others.
+MIXED_REQUESTS = {
+    "create": ("PUT", "", b"[1]", {"Content-Type": JSON_TYPE}),
+    "append": ("POST", "", b"[2,3]", {"Content-Type": JSON_TYPE}),
+    "close": ("POST", "", b"", {"Content-Type": JSON_TYPE, CLOSED: "true"}),
+    "read": ("GET", "?offset=-1", b"", {}),
+    "long-poll": ("GET", "?offset=now&live=long-poll", b"", {}),
+    "delete": ("DELETE", "", b"", {}),
+}
+MIXED_WEIGHTS = [3, 10, 1, 6, 2, 1]
+
+
 def mixed_request(session: requests.Session, url: str, choose: random.Random) -> str:
     """One request of a random kind to `url`: "<kind> <status>", or "<kind> cut"."""
-    [kind] = choose.choices(
-        ["create", "append", "close", "read", "long-poll", "delete"], [3, 10, 1, 6, 2, 1]
-    )
-    headers = {**CLOSE_CONNECTION, "Content-Type": JSON_TYPE}
+    [kind] = choose.choices(list(MIXED_REQUESTS), MIXED_WEIGHTS)
+    method, query, body, headers = MIXED_REQUESTS[kind]
     try:
-        if kind == "create":
-            answer = session.put(url, data=b"[1]", headers=headers, timeout=REQUEST_TIMEOUT_SECONDS)
-        elif kind == "append":
-            answer = session.post(
-                url, data=b"[2,3]", headers=headers, timeout=REQUEST_TIMEOUT_SECONDS
-            )
-        elif kind == "close":
-            closing = {**headers, CLOSED: "true"}
-            answer = session.post(url, headers=closing, timeout=REQUEST_TIMEOUT_SECONDS)
-        elif kind == "read":
-            answer = session.get(
-                f"{url}?offset=-1", headers=CLOSE_CONNECTION, timeout=REQUEST_TIMEOUT_SECONDS
-            )
-        elif kind == "long-poll":
-            answer = session.get(
-                f"{url}?offset=now&live=long-poll",
-                headers=CLOSE_CONNECTION,
-                timeout=REQUEST_TIMEOUT_SECONDS,
-            )
-        else:
-            answer = session.delete(url, headers=CLOSE_CONNECTION, timeout=REQUEST_TIMEOUT_SECONDS)
+        answer = session.request(
+            method,
+            url + query,
+            data=body or None,
+            headers={**CLOSE_CONNECTION, **headers},
+            timeout=REQUEST_TIMEOUT_SECONDS,
+        )
     except requests.exceptions.ChunkedEncodingError:
         return f"{kind} cut"  # a read spanning pieces, deleted while it was sent
     return f"{kind} {answer.status_code}"
