@@ -59,15 +59,16 @@ def register_operations(app: Flask, store: StreamStore, settings: Settings) -> N
 
 
 def sweep_forever(store: StreamStore, interval: float) -> None:
-    """Sweep out expired streams every `interval` seconds, in every worker."""
+    """Every `interval` seconds, in every worker, sweep out expired streams and
+    soft-deleted ones that no fork reads any more."""
     while True:
         gevent.sleep(interval * random.uniform(0.75, 1.25))  # workers and nodes spread out
         try:
-            store.sweep_expired()
+            store.sweep()
         except StorageUnavailable as error:
-            log.warning("expiry sweep postponed: %s", error)
+            log.warning("sweep postponed: %s", error)
         except Exception:  # noqa: BLE001 - a background job logs and goes on
-            log.exception("expiry sweep failed")
+            log.exception("sweep failed")
 
 
 def install_request_hooks(app: Flask, store: StreamStore) -> None:

@@ -11,7 +11,9 @@ never rewritten):
     <root>/streams/<key>/<incarnation>/trim/<pos>   retention dropped the data before <pos>
                                                     (retention.py)
     <root>/streams/<key>/<incarnation>/gone         soft-delete tombstone (forks still read)
-    <root>/streams/<key>/<incarnation>/forks/<key>  one marker per fork that reads from it
+    <root>/streams/<key>/<incarnation>/deleting     a DELETE has begun: forks are refused
+    <root>/streams/<key>/<incarnation>/forks/<key>+<incarnation>
+                                                    one marker per fork that reads from it
     <root>/streams/<key>/<incarnation>/touched      sliding-TTL access marker (mtime)
 
 <key> is the stream path percent-encoded into one name (or hashed when long), so no
@@ -80,6 +82,12 @@ MAX_KEY_LENGTH = 200
 STREAM_KEYS_REMEMBERED = 1024  # a request line caps a path at 8 KiB: 8 MiB at most
 CONTENTION_LIMIT_SECONDS = 5.0
 SEGMENT_INDEXES_KEPT = 1024  # per stream; a few hundred bytes each
+# A fork being created marks its source, then writes its meta.json within
+# FORK_SETUP_SECONDS or gives up. Until a marker is FORK_MARKER_SECONDS old, a delete
+# of the source counts it as a fork even without that meta.json; the margin covers
+# nodes and storage whose clocks disagree.
+FORK_SETUP_SECONDS = 10.0
+FORK_MARKER_SECONDS = 60.0
 
 
 # -- errors: each maps to one protocol outcome --------------------------------------
@@ -837,26 +845,46 @@ class StreamStore:
             self._write_segment(stream, plan)
         else:  # where readers can watch for the first segment (local disk)
             self.objects.make_directory(f"{stream.prefix}/seg")
-        if fork:
-            marker = f"{self._source_handle(fork).prefix}/forks/{stream_key(path)}"
-            try:
-                self.objects.create(marker, config.incarnation.encode())
-            except FileExistsError:
-                # Ours with a lost answer, or left by a deleted fork at this path.
-                if self.objects.read(marker).decode() != config.incarnation:
-                    self.objects.delete(marker)
-                    self.objects.create(marker, config.incarnation.encode())
+        source = self._source_handle(fork) if fork else None
+        if source is not None:
+            self._mark_source(source, stream)
         try:
             self.objects.create(_meta_key(path), config.to_json())
         except FileExistsError:
             if self._created_by(path, config.incarnation):
                 return True, self._announced_info(path, stream)  # only the answer was lost
-            self.objects.delete_tree(stream.prefix)
+            self._abandon(stream, source)
             winner = self._existing_for_create(path)
             if winner is None:  # another request deleted it already: create it after all
                 return self.create(path, request)
             return False, self._confirm(winner, config, request)
         return True, self._announced_info(path, stream)
+
+    def _mark_source(self, source: _Stream, fork: _Stream) -> None:
+        """Tell deletes of `source` that `fork`, being created, is about to read it, or refuse.
+
+        The fork writes its marker before it looks for the source's `deleting` marker,
+        and a delete writes that before it lists the markers (`_retire`): one of the two
+        always sees the other, as storage lists and reads what was written before.
+        """
+        marked_at = time.monotonic()
+        try:
+            self.objects.create(_fork_marker(source, fork.config), b"")
+        except FileExistsError:
+            pass  # ours, its answer lost and the write retried
+        if (
+            self.objects.exists(f"{source.prefix}/deleting")
+            or not self._created_by(source.config.path, source.config.incarnation)
+            or time.monotonic() - marked_at > FORK_SETUP_SECONDS
+        ):
+            self._abandon(fork, source)
+            raise StreamConflict(f"fork source {source.config.path} was deleted")
+
+    def _abandon(self, stream: _Stream, source: _Stream | None) -> None:
+        """Remove what a create that did not take place wrote: data, and a fork's marker."""
+        self.objects.delete_tree(stream.prefix)
+        if source is not None:
+            self._release_source(source, stream.config)
 
     def _created_by(self, path: str, incarnation: str) -> bool:
         try:
@@ -1390,16 +1418,23 @@ class StreamStore:
             except (FileNotFoundError, orjson.JSONDecodeError):
                 continue
 
-    def sweep_expired(self) -> None:
-        """Delete every expired stream, touched or not.
+    def sweep(self) -> None:
+        """Delete every expired stream, touched or not, and free soft-deleted ones
+        whose forks have all gone.
 
         Opening a stream is what deletes it once expired, so a stream nobody opens again
         would keep its data for ever. Opening each one (opening never renews a TTL) is
-        the sweep; streams that vanish meanwhile are fine.
+        the sweep; streams that vanish meanwhile are fine. A soft-deleted stream is
+        freed when its last fork goes, or here if that fork failed or was never
+        created (a crash between its steps).
         """
         for path in list(self.paths()):
             try:
-                self._open(path)
+                stream = self._checked_handle(path)
+                if stream.gone and not self.has_forks(stream):
+                    self._erase(stream)
+                else:
+                    self._open(path)
             except (StreamNotFound, StreamGone):
                 continue
             finally:
@@ -1411,30 +1446,57 @@ class StreamStore:
         self._retire(self._open(path))
 
     def _retire(self, stream: _Stream) -> bool:
-        """Delete, or soft-delete while forks still read the data; True if soft."""
+        """Delete, or soft-delete while forks still read the data; True if soft.
+
+        Each marker is written before the look that depends on it: `deleting` before
+        the first look for forks (against forks being created, `_mark_source`), `gone`
+        before the second (against the last fork going meanwhile, `_release_source`).
+        """
+        self._create_quietly(f"{stream.prefix}/deleting")
         if self.has_forks(stream):
-            try:
-                self.objects.create(f"{stream.prefix}/gone", b"")
-            except FileExistsError:
-                pass
+            self._create_quietly(f"{stream.prefix}/gone")
             stream.gone = True
-            return True
+            if self.has_forks(stream):
+                return True
+            try:
+                self._erase(stream)
+            except StreamNotFound:
+                pass  # the last fork, going, erased it first
+            return False
         self._erase(stream)
         return False
 
+    def _create_quietly(self, key: str) -> None:
+        try:
+            self.objects.create(key, b"")
+        except FileExistsError:
+            pass
+
     def has_forks(self, stream: _Stream) -> bool:
-        """True while a live fork reads the stream; markers of deleted forks are removed."""
-        for name in self.objects.list(f"{stream.prefix}/forks"):
-            marker = f"{stream.prefix}/forks/{name}"
-            try:
+        """True while a fork reads the stream, or may be about to (one being created)."""
+        return any(
+            self._fork_reads(f"{stream.prefix}/forks/{name}", name)
+            for name in self.objects.list(f"{stream.prefix}/forks")
+        )
+
+    def _fork_reads(self, marker: str, name: str) -> bool:
+        """Whether the fork that wrote `marker` reads its source; removes stale markers.
+
+        A marker without its fork's meta.json is a fork being created until it is
+        FORK_MARKER_SECONDS old, then what a fork that failed or went left behind.
+        """
+        key, _, incarnation = name.partition("+")
+        try:
+            if not incarnation:  # written before markers were named by incarnation
                 incarnation = self.objects.read(marker).decode()
-                fork_meta = self.objects.read(f"streams/{name}/meta.json")
-            except FileNotFoundError:
-                self.objects.delete_tree(marker)
-                continue
+            fork_meta = self.objects.read(f"streams/{key}/meta.json")
             if StreamConfig.from_json(fork_meta).incarnation == incarnation:
                 return True
-            self.objects.delete_tree(marker)
+        except FileNotFoundError:
+            pass
+        if time.time() - (self.objects.modified(marker) or 0.0) < FORK_MARKER_SECONDS:
+            return True
+        self.objects.delete_tree(marker)
         return False
 
     def _erase(self, stream: _Stream) -> None:
@@ -1455,11 +1517,25 @@ class StreamStore:
         except (OSError, StorageUnavailable) as error:
             # Deleted already; a writer that raced us may have left a segment behind.
             log.warning("leftover data of deleted stream %s: %s", config.path, error)
-        if config.fork is not None and stream.source is not None:
-            source = stream.source
-            self.objects.delete_tree(f"{source.prefix}/forks/{stream_key(config.path)}")
-            if self.objects.exists(f"{source.prefix}/gone") and not self.has_forks(source):
+        if stream.source is not None:
+            self._release_source(stream.source, config)
+
+    def _release_source(self, source: _Stream, fork: StreamConfig) -> None:
+        """Remove a fork's marker; a soft-deleted source goes with its last fork.
+
+        The marker goes before the look for `gone` (see `_retire`).
+        """
+        self.objects.delete_tree(_fork_marker(source, fork))
+        if self.objects.exists(f"{source.prefix}/gone") and not self.has_forks(source):
+            try:
                 self._erase(source)
+            except StreamNotFound:
+                pass  # its delete, or another fork going, erased it first
+
+
+def _fork_marker(source: _Stream, fork: StreamConfig) -> str:
+    """The key of the object that tells deletes of `source` that `fork` reads it."""
+    return f"{source.prefix}/forks/{stream_key(fork.path)}+{fork.incarnation}"
 
 
 def _first_taken_now(chunks: Iterator[bytes]) -> Iterator[bytes]:

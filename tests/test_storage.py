@@ -415,7 +415,7 @@ def test_a_sweep_deletes_expired_streams_nobody_touches(make_store: MakeStore) -
     prefix = f"streams/lapsed/{store.head('lapsed').incarnation}"
     gevent.sleep(1.2)
     other_node = make_store()  # it never opened "lapsed": only the sweep finds it
-    other_node.sweep_expired()
+    other_node.sweep()
     assert other_node.objects.list(f"{prefix}/seg") == []
     assert not other_node.objects.exists("streams/lapsed/meta.json")
     with pytest.raises(StreamNotFound):
@@ -456,12 +456,13 @@ def around(
     after: Action = nothing,
     whole: bool = False,
 ) -> None:
-    """Run `before` and `after` around the first call of `store.objects.<method>` on `key`
-    (with `whole`, the first without a byte range): another node acting in between."""
+    """Run `before` and `after` around the first call of `store.objects.<method>` on a key
+    starting with `key` (with `whole`, the first without a byte range): another node
+    acting in between."""
     original = getattr(store.objects, method)
 
     def call(wanted: str, *arguments: object) -> object:
-        if wanted != key or (whole and arguments):
+        if not wanted.startswith(key) or (whole and arguments):
             return original(wanted, *arguments)
         setattr(store.objects, method, original)
         before()
@@ -574,6 +575,107 @@ def test_a_create_that_lost_to_a_stream_deleted_meanwhile_creates_it_after_all(
     created, info = first.create("log", CreateRequest(TEXT, payload=Payload(b"abc")))
     assert (created, info.tail) == (True, 3)
     assert read_all(second, "log") == b"abc"
+
+
+# -- forks being created or deleted while another store deletes their source --------------
+
+
+def two_stores_knowing_a_source(make_store: MakeStore) -> tuple[StreamStore, StreamStore, str]:
+    """Two stores that have both opened "source" ("data"), and its key prefix."""
+    first, second = make_store(), make_store()
+    first.create("source", CreateRequest(TEXT, payload=Payload(b"data")))
+    second.head("source")
+    return first, second, first._streams["source"].prefix
+
+
+def assert_freed(store: StreamStore, prefix: str, *paths: str) -> None:
+    """`paths` are not found, nothing under the source's `prefix` names a fork, and a PUT
+    at each path creates a new stream (a soft-deleted one would answer 409)."""
+    assert store.objects.list(f"{prefix}/forks") == []
+    for path in paths:
+        with pytest.raises(StreamNotFound):
+            store.head(path)
+        assert store.create(path, CreateRequest(TEXT))[0]
+
+
+def test_a_fork_whose_source_another_store_deletes_before_it_is_marked_is_refused(
+    make_store: MakeStore,
+) -> None:
+    """The delete listed the source's forks before this fork wrote its marker."""
+    first, second, prefix = two_stores_knowing_a_source(make_store)
+    around(first, "create", f"{prefix}/forks/", before=lambda: second.delete("source"))
+    with pytest.raises(StreamConflict):
+        first.create("fork", CreateRequest("", fork_source="source"))
+    assert_freed(make_store(), prefix, "source", "fork")
+
+
+def test_a_fork_that_sees_its_source_being_deleted_gives_it_up(make_store: MakeStore) -> None:
+    """The delete saw the fork's marker and soft-deleted the source; the fork, seeing the
+    delete, is refused and frees the source it alone kept."""
+    first, second, prefix = two_stores_knowing_a_source(make_store)
+    around(first, "exists", f"{prefix}/deleting", before=lambda: second.delete("source"))
+    with pytest.raises(StreamConflict):
+        first.create("fork", CreateRequest("", fork_source="source"))
+    assert_freed(make_store(), prefix, "source", "fork")
+
+
+def test_a_source_deleted_after_its_fork_passed_the_check_is_kept_for_it(
+    make_store: MakeStore,
+) -> None:
+    """The delete finds the marker of a fork whose meta.json is not written yet."""
+    first, second, prefix = two_stores_knowing_a_source(make_store)
+    around(first, "create", "streams/fork/meta.json", before=lambda: second.delete("source"))
+    assert first.create("fork", CreateRequest("", fork_source="source"))[0]
+    third = make_store()
+    with pytest.raises(StreamGone):
+        third.head("source")
+    assert read_all(third, "fork") == b"data"
+    third.delete("fork")
+    assert_freed(make_store(), prefix, "source")
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_source_whose_last_fork_goes_while_it_is_deleted_is_freed(
+    make_store: MakeStore, when: str
+) -> None:
+    """The fork goes while the delete writes the source's `gone` marker."""
+    first, second, prefix = two_stores_knowing_a_source(make_store)
+    first.create("fork", CreateRequest("", fork_source="source"))
+    second.head("fork")
+    around(first, "create", f"{prefix}/gone", **{when: lambda: second.delete("fork")})
+    first.delete("source")
+    assert_freed(make_store(), prefix, "source", "fork")
+
+
+def test_concurrent_creates_of_one_fork_keep_the_winner_s_marker(
+    make_store: MakeStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loser of the race for the fork's meta.json removes its own marker only."""
+    first, second, prefix = two_stores_knowing_a_source(make_store)
+    fork = CreateRequest("", fork_source="source")
+    around(first, "create", f"{prefix}/forks/", before=lambda: second.create("fork", fork))
+    assert first.create("fork", fork)[0] is False
+    monkeypatch.setattr(storage, "FORK_MARKER_SECONDS", 0.0)  # only a live fork keeps it
+    first.delete("source")
+    third = make_store()
+    with pytest.raises(StreamGone):
+        third.head("source")
+    assert read_all(third, "fork") == b"data"
+
+
+def test_a_sweep_frees_a_source_kept_for_a_fork_that_never_came(
+    make_store: MakeStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fork's creator that died after marking its source left only the marker."""
+    store, _, prefix = two_stores_knowing_a_source(make_store)
+    store.objects.create(f"{prefix}/forks/fork+0123456789abcdef", b"")
+    store.delete("source")
+    store.sweep()
+    with pytest.raises(StreamGone):
+        store.head("source")  # the marker is young: that fork may still come
+    monkeypatch.setattr(storage, "FORK_MARKER_SECONDS", 0.0)
+    make_store().sweep()
+    assert_freed(make_store(), prefix, "source")
 
 
 def test_an_append_through_a_store_that_missed_another_store_s_close_is_refused(
