@@ -823,7 +823,7 @@ class StreamStore:
     def create(self, path: str, request: CreateRequest) -> tuple[bool, StreamInfo]:
         """Create a stream, or confirm an identical one: returns (created, info)."""
         existing = self._existing_for_create(path)
-        fork, request = self._resolve_fork(request)
+        fork, source, request = self._resolve_fork(request)
         config = StreamConfig(
             path=path,
             incarnation=uuid.uuid4().hex[:16],
@@ -845,7 +845,6 @@ class StreamStore:
             self._write_segment(stream, plan)
         else:  # where readers can watch for the first segment (local disk)
             self.objects.make_directory(f"{stream.prefix}/seg")
-        source = self._source_handle(fork) if fork else None
         if source is not None:
             self._mark_source(source, stream)
         try:
@@ -868,21 +867,18 @@ class StreamStore:
         always sees the other, as storage lists and reads what was written before.
         """
         marked_at = time.monotonic()
-        try:
-            self.objects.create(_fork_marker(source, fork.config), b"")
-        except FileExistsError:
-            pass  # ours, its answer lost and the write retried
-        if (
-            self.objects.exists(f"{source.prefix}/deleting")
-            or not self._created_by(source.config.path, source.config.incarnation)
-            or time.monotonic() - marked_at > FORK_SETUP_SECONDS
+        if not (
+            self._create_marker(_fork_marker(source, fork.config))
+            and not self.objects.exists(f"{source.prefix}/deleting")
+            and self._created_by(source.config.path, source.config.incarnation)
+            and time.monotonic() - marked_at <= FORK_SETUP_SECONDS
         ):
             self._abandon(fork, source)
             raise StreamConflict(f"fork source {source.config.path} was deleted")
 
     def _abandon(self, stream: _Stream, source: _Stream | None) -> None:
         """Remove what a create that did not take place wrote: data, and a fork's marker."""
-        self.objects.delete_tree(stream.prefix)
+        self._remove_leftovers(stream)
         if source is not None:
             self._release_source(source, stream.config)
 
@@ -897,12 +893,13 @@ class StreamStore:
     def _announced_info(self, path: str, created: _Stream) -> StreamInfo:
         """The info of a stream just created, announced to listeners while it exists.
 
-        Other requests may have deleted it (and created another) already: it was
-        created all the same, and the answer says what was created.
+        Other requests may have deleted it (soft-deleted, if they forked it, or
+        created another) already: it was created all the same, and the answer says
+        what was created.
         """
         try:
             current = self._open(path)
-        except StreamNotFound:
+        except (StreamNotFound, StreamGone):
             return created.info()
         if current.config.incarnation != created.config.incarnation:
             return created.info()
@@ -938,10 +935,12 @@ class StreamStore:
             raise StreamConflict(f"stream {have.path} exists with a different configuration")
         return existing.info()
 
-    def _resolve_fork(self, request: CreateRequest) -> tuple[ForkOrigin | None, CreateRequest]:
+    def _resolve_fork(
+        self, request: CreateRequest
+    ) -> tuple[ForkOrigin | None, _Stream | None, CreateRequest]:
         """Validate fork headers against the source; forks inherit its type and expiry."""
         if request.fork_source is None:
-            return None, request
+            return None, None, request
         try:
             source = self._open(request.fork_source)
         except StreamNotFound as error:
@@ -976,7 +975,7 @@ class StreamStore:
             point=point,
             earliest=source.earliest,
         )
-        return origin, inherited
+        return origin, source, inherited
 
     def _sub_offset_point(self, stream: _Stream, offset: int, sub_offset: int) -> int:
         """The fork point `sub_offset` bytes (or JSON messages) into the append at `offset`."""
@@ -1452,9 +1451,9 @@ class StreamStore:
         the first look for forks (against forks being created, `_mark_source`), `gone`
         before the second (against the last fork going meanwhile, `_release_source`).
         """
-        self._create_quietly(f"{stream.prefix}/deleting")
+        self._mark_stream(stream, "deleting")
         if self.has_forks(stream):
-            self._create_quietly(f"{stream.prefix}/gone")
+            self._mark_stream(stream, "gone")
             stream.gone = True
             if self.has_forks(stream):
                 return True
@@ -1463,14 +1462,29 @@ class StreamStore:
             except StreamNotFound:
                 pass  # the last fork, going, erased it first
             return False
-        self._erase(stream)
+        try:
+            self._erase(stream)
+        except StreamNotFound:
+            self._remove_leftovers(stream)  # `deleting`, if the winner erased it first (S3)
+            raise
         return False
 
-    def _create_quietly(self, key: str) -> None:
+    def _mark_stream(self, stream: _Stream, name: str) -> None:
+        """Write the marker `name` into a stream's folder; a 404 if another process
+        erased the stream, folder and all."""
+        if not self._create_marker(f"{stream.prefix}/{name}"):
+            raise StreamNotFound(f"stream {stream.config.path} was deleted")
+
+    def _create_marker(self, key: str) -> bool:
+        """Create the empty object `key` unless it exists (another request wrote it, or
+        this one did and lost the answer); False if its folder is gone (local disk)."""
         try:
             self.objects.create(key, b"")
         except FileExistsError:
             pass
+        except FileNotFoundError:
+            return False
+        return True
 
     def has_forks(self, stream: _Stream) -> bool:
         """True while a fork reads the stream, or may be about to (one being created)."""
@@ -1512,11 +1526,7 @@ class StreamStore:
             self.objects.delete(_meta_key(config.path))
         except FileNotFoundError as error:
             raise StreamNotFound(f"stream {config.path} not found") from error
-        try:
-            self.objects.delete_tree(stream.prefix)
-        except (OSError, StorageUnavailable) as error:
-            # Deleted already; a writer that raced us may have left a segment behind.
-            log.warning("leftover data of deleted stream %s: %s", config.path, error)
+        self._remove_leftovers(stream)
         if stream.source is not None:
             self._release_source(stream.source, config)
 
@@ -1531,6 +1541,14 @@ class StreamStore:
                 self._erase(source)
             except StreamNotFound:
                 pass  # its delete, or another fork going, erased it first
+
+    def _remove_leftovers(self, stream: _Stream) -> None:
+        """Remove the folder of a stream that no longer exists; a writer that raced its
+        deletion may have left a segment behind, which is only logged."""
+        try:
+            self.objects.delete_tree(stream.prefix)
+        except (OSError, StorageUnavailable) as error:
+            log.warning("leftover data of deleted stream %s: %s", stream.config.path, error)
 
 
 def _fork_marker(source: _Stream, fork: StreamConfig) -> str:

@@ -545,16 +545,23 @@ def test_a_last_segment_dropped_while_a_second_store_loads_it_leaves_the_one_bef
     assert read_all(second, "log") == b"0"
 
 
+@pytest.mark.parametrize("forked", [False, True])
 def test_a_stream_deleted_by_another_store_as_it_is_created_was_created(
-    make_store: MakeStore,
+    make_store: MakeStore, forked: bool
 ) -> None:
-    """Another node's DELETE may land between the create and its answer: still a 201."""
+    """Another node's DELETE may land between the create and its answer (a soft delete if
+    that node forked the stream first): still a 201."""
     first, second = make_store(), make_store()
-    meta = storage._meta_key("log")
-    around(first, "create", meta, after=lambda: second.delete("log"))
+
+    def fork_and_delete() -> None:
+        if forked:
+            second.create("fork", CreateRequest("", fork_source="log"))
+        second.delete("log")
+
+    around(first, "create", storage._meta_key("log"), after=fork_and_delete)
     created, info = first.create("log", CreateRequest(TEXT, payload=Payload(b"abc")))
     assert (created, info.tail) == (True, 3)
-    with pytest.raises(StreamNotFound):
+    with pytest.raises(StreamGone if forked else StreamNotFound):
         first.head("log")
 
 
