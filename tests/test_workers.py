@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 NEXT_OFFSET = "Stream-Next-Offset"
 UP_TO_DATE = "Stream-Up-To-Date"
 CLOSED = "Stream-Closed"
+FORKED_FROM = "Stream-Forked-From"
 TEXT_TYPE = "text/plain"
 JSON_TYPE = "application/json"
 CLOSE_CONNECTION = {"Connection": "close"}
@@ -61,6 +62,8 @@ ERA_ROUNDS = 10
 MIXED_CLIENTS = 16
 MIXED_STREAMS = 4
 MIXED_SECONDS = 10.0
+FORK_PAIRS = 3
+RECHECK_SECONDS = 1.0  # on S3 a worker trusts what it knows of a stream this long
 REQUEST_TIMEOUT_SECONDS = 15.0
 MAX_READS = 1000
 ACCESS_LOG_FORMAT = "%(p)s %(m)s %(U)s %(q)s %(s)s"
@@ -76,6 +79,7 @@ def start_logged_server(
     tmp_path: Path,
     *,
     long_poll_timeout: float = 0.5,
+    storage_url: str | None = None,
     env: dict[str, str] | None = None,
 ) -> tuple[Server, Path]:
     """A PicoMQ with WORKERS workers, all serving; its access log names the worker of each
@@ -88,6 +92,7 @@ def start_logged_server(
     server = start_server(
         workers=WORKERS,
         long_poll_timeout=long_poll_timeout,
+        storage_url=storage_url,
         env={"GUNICORN_CMD_ARGS": gunicorn_args, **(env or {})},
     )
     wait_for_every_worker(server, access_log)
@@ -730,34 +735,74 @@ ANSWERS_AROUND_DELETES = {
 }
 
 
-# Each kind of request the racing clients send: method, query, body, headers beyond
-# Connection: close; and how often each is sent, relative to the others.
+@dataclass(frozen=True)
+class RacingRequest:
+    """A kind of request the racing clients send, and how often relative to the others.
+
+    It goes to the stream its `target` names; "{source}" in a header value stands for the
+    name of the stream named "source". Every request also asks for Connection: close.
+    """
+
+    weight: int
+    method: str
+    query: str = ""
+    body: bytes = b""
+    headers: dict[str, str] = field(default_factory=dict)
+    target: str = "stream"
+
+
+JSON_HEADERS = {"Content-Type": JSON_TYPE}
 MIXED_REQUESTS = {
-    "create": ("PUT", "", b"[1]", {"Content-Type": JSON_TYPE}),
-    "append": ("POST", "", b"[2,3]", {"Content-Type": JSON_TYPE}),
-    "close": ("POST", "", b"", {"Content-Type": JSON_TYPE, CLOSED: "true"}),
-    "read": ("GET", "?offset=-1", b"", {}),
-    "long-poll": ("GET", "?offset=now&live=long-poll", b"", {}),
-    "delete": ("DELETE", "", b"", {}),
+    "create": RacingRequest(3, "PUT", body=b"[1]", headers=JSON_HEADERS),
+    "append": RacingRequest(10, "POST", body=b"[2,3]", headers=JSON_HEADERS),
+    "close": RacingRequest(1, "POST", headers={**JSON_HEADERS, CLOSED: "true"}),
+    "read": RacingRequest(6, "GET", "?offset=-1"),
+    "long-poll": RacingRequest(2, "GET", "?offset=now&live=long-poll"),
+    "delete": RacingRequest(1, "DELETE"),
 }
-MIXED_WEIGHTS = [3, 10, 1, 6, 2, 1]
 
 
-def mixed_request(session: requests.Session, url: str, choose: random.Random) -> str:
-    """One request of a random kind to `url`: "<kind> <status>", or "<kind> cut"."""
-    [kind] = choose.choices(list(MIXED_REQUESTS), MIXED_WEIGHTS)
-    method, query, body, headers = MIXED_REQUESTS[kind]
+def mixed_request(
+    session: requests.Session,
+    server: Server,
+    streams: dict[str, str],
+    table: dict[str, RacingRequest],
+    choose: random.Random,
+) -> str:
+    """One request of a random kind from `table` to one of `streams` (target: name):
+    "<kind> <status>", or "<kind> cut"."""
+    [kind] = choose.choices(list(table), [request.weight for request in table.values()])
+    request = table[kind]
+    headers = {name: value.format(**streams) for name, value in request.headers.items()}
     try:
         answer = session.request(
-            method,
-            url + query,
-            data=body or None,
+            request.method,
+            server.stream_url(streams[request.target]) + request.query,
+            data=request.body or None,
             headers={**CLOSE_CONNECTION, **headers},
             timeout=REQUEST_TIMEOUT_SECONDS,
         )
     except requests.exceptions.ChunkedEncodingError:
         return f"{kind} cut"  # a read spanning pieces, deleted while it was sent
     return f"{kind} {answer.status_code}"
+
+
+def race_mixed_requests(
+    server: Server, choices: list[dict[str, str]], table: dict[str, RacingRequest]
+) -> Counter[str]:
+    """MIXED_CLIENTS clients send requests from `table` for MIXED_SECONDS, each to streams
+    chosen at random from `choices`; what they were answered, counted."""
+    stop_at = time.monotonic() + MIXED_SECONDS
+
+    def client(seed: int) -> Counter[str]:
+        choose, answers = random.Random(seed), Counter[str]()
+        with requests.Session() as session:
+            while time.monotonic() < stop_at:
+                streams = choose.choice(choices)
+                answers[mixed_request(session, server, streams, table, choose)] += 1
+        return answers
+
+    return sum(run_together(MIXED_CLIENTS, client), Counter[str]())
 
 
 def test_requests_racing_deletes_on_every_worker_never_answer_a_server_error(
@@ -767,17 +812,76 @@ def test_requests_racing_deletes_on_every_worker_never_answer_a_server_error(
     delete the same few streams, on every worker: each answers as if it came wholly before
     or after a close (a 409) or a DELETE (a 404, or a 201 for a create), never a 5xx."""
     server, _ = start_logged_server(start_server, tmp_path, long_poll_timeout=0.3)
-    urls = [server.stream_url(f"{unique_stream}-{number}") for number in range(MIXED_STREAMS)]
-    stop_at = time.monotonic() + MIXED_SECONDS
-
-    def client(seed: int) -> Counter[str]:
-        choose, answers = random.Random(seed), Counter[str]()
-        with requests.Session() as session:
-            while time.monotonic() < stop_at:
-                answers[mixed_request(session, choose.choice(urls), choose)] += 1
-        return answers
-
-    answers = sum(run_together(MIXED_CLIENTS, client), Counter[str]())
+    streams = [{"stream": f"{unique_stream}-{number}"} for number in range(MIXED_STREAMS)]
+    answers = race_mixed_requests(server, streams, MIXED_REQUESTS)
     unexpected = {answer for answer in answers if answer not in ANSWERS_AROUND_DELETES}
     assert not unexpected, f"unexpected answers among {answers}"
     assert answers["delete 204"] and answers["read 200"] and answers["append 404"], answers
+
+
+# What sources and forks may answer while both are created, used and deleted through every
+# worker: a fork of a deleted source is refused (404 if it is gone, 409 while it is being
+# deleted or is soft-deleted), and a soft-deleted source answers 410.
+ANSWERS_AROUND_FORKS = {
+    *(f"source create {status}" for status in (200, 201, 409)),
+    *(f"source append {status}" for status in (204, 404, 410)),
+    *(f"source read {status}" for status in (200, 404, 410, "cut")),
+    *(f"source delete {status}" for status in (204, 404, 410)),
+    *(f"fork create {status}" for status in (200, 201, 404, 409)),
+    *(f"fork append {status}" for status in (204, 404)),
+    *(f"fork read {status}" for status in (200, 404, "cut")),
+    *(f"fork delete {status}" for status in (204, 404)),
+}
+FORK_REQUESTS = {
+    "source create": RacingRequest(4, "PUT", body=b"[1]", headers=JSON_HEADERS, target="source"),
+    "source append": RacingRequest(3, "POST", body=b"[2]", headers=JSON_HEADERS, target="source"),
+    "source read": RacingRequest(2, "GET", "?offset=-1", target="source"),
+    "source delete": RacingRequest(3, "DELETE", target="source"),
+    "fork create": RacingRequest(6, "PUT", headers={FORKED_FROM: "{source}"}, target="fork"),
+    "fork append": RacingRequest(2, "POST", body=b"[3]", headers=JSON_HEADERS, target="fork"),
+    "fork read": RacingRequest(3, "GET", "?offset=-1", target="fork"),
+    "fork delete": RacingRequest(2, "DELETE", target="fork"),
+}
+
+
+@pytest.mark.parametrize("storage", ["local", "s3"])
+def test_forks_racing_deletes_of_their_sources_on_every_worker_are_never_orphaned(
+    request: pytest.FixtureRequest,
+    start_server: StartServer,
+    tmp_path: Path,
+    unique_stream: str,
+    storage: str,
+) -> None:
+    """Forks are created, used and deleted while their sources are deleted and re-created,
+    through every worker: no request answers a 5xx. Afterwards fresh processes, which know
+    only what storage says, read every fork, and deleting it frees a soft-deleted source."""
+    storage_url, env = None, None
+    if storage == "s3":
+        s3_storage = request.getfixturevalue("s3_storage")
+        storage_url, env = s3_storage.url, s3_storage.env
+    server, _ = start_logged_server(start_server, tmp_path, storage_url=storage_url, env=env)
+    pairs = [
+        {"source": f"{unique_stream}-{number}", "fork": f"{unique_stream}-{number}-fork"}
+        for number in range(FORK_PAIRS)
+    ]
+    answers = race_mixed_requests(server, pairs, FORK_REQUESTS)
+    unexpected = {answer for answer in answers if answer not in ANSWERS_AROUND_FORKS}
+    assert not unexpected, f"unexpected answers among {answers}"
+    assert answers["fork create 201"] and answers["fork create 409"], answers
+    assert answers["source delete 204"] and answers["source read 410"], answers
+
+    server.restart()
+
+    def status(method: str, stream: str) -> int:
+        url = server.stream_url(stream)
+        return requests.request(
+            method, url, headers=CLOSE_CONNECTION, timeout=REQUEST_TIMEOUT_SECONDS
+        ).status_code
+
+    forks_read = [status("GET", pair["fork"]) for pair in pairs]
+    forks_deleted = [status("DELETE", pair["fork"]) for pair in pairs]
+    time.sleep(RECHECK_SECONDS + SETTLE_SECONDS)
+    sources_read = [status("GET", pair["source"]) for pair in pairs]
+    assert set(forks_read) <= {200, 404}, forks_read
+    assert set(forks_deleted) <= {204, 404}, forks_deleted
+    assert set(sources_read) <= {200, 404}, sources_read  # none is kept for a fork now
