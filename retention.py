@@ -54,11 +54,7 @@ def _trim(store: StreamStore, stream: _Stream) -> None:
     stream.housekeeping = True
     try:
         cut, wake_at = _trim_point(store, stream)
-        if cut > stream.earliest and not store.has_forks(stream):
-            try:
-                store.objects.create(stream.trim_key(cut), b"")
-            except FileExistsError:
-                pass
+        if cut > stream.earliest and store.publish_trim(stream, cut):
             gone = [stream.piece_key(start) for start in stream.starts if start < cut]
             stream.starts = [start for start in stream.starts if start >= cut]
             stream.earliest = cut

@@ -441,7 +441,7 @@ def _meta_key(path: str) -> str:
 class StreamStore:
     """Create, append, read, wait, delete: the storage verbs the protocol needs.
 
-    `segment`, `read_segment`, `has_forks` and `delete_later` are public for the
+    `segment`, `read_segment`, `publish_trim` and `delete_later` are public for the
     store's housekeeping (compaction.py, retention.py), not for the HTTP layer.
     """
 
@@ -846,9 +846,9 @@ class StreamStore:
         else:  # where readers can watch for the first segment (local disk)
             self.objects.make_directory(f"{stream.prefix}/seg")
         if source is not None:
-            self._mark_source(source, stream)
+            self._mark_source(source, stream)  # may raise the fork's earliest offset
         try:
-            self.objects.create(_meta_key(path), config.to_json())
+            self.objects.create(_meta_key(path), stream.config.to_json())
         except FileExistsError:
             if self._created_by(path, config.incarnation):
                 return True, self._announced_info(path, stream)  # only the answer was lost
@@ -875,6 +875,21 @@ class StreamStore:
         ):
             self._abandon(fork, source)
             raise StreamConflict(f"fork source {source.config.path} was deleted")
+        self._take_trims(source, fork)
+
+    def _take_trims(self, source: _Stream, fork: _Stream) -> None:
+        """Start `fork` no lower than its source's retention trimmed since it was
+        validated: that trim came before its marker was written (`publish_trim`)."""
+        origin = fork.config.fork
+        assert origin is not None
+        names = self.objects.list(f"{source.prefix}/trim")
+        earliest = max((int(name) for name in names if name.isdigit()), default=0)
+        if earliest <= origin.earliest:
+            return
+        if origin.point < earliest:
+            self._abandon(fork, source)
+            raise OffsetTrimmed(earliest)
+        fork.config = replace(fork.config, fork=replace(origin, earliest=earliest))
 
     def _abandon(self, stream: _Stream, source: _Stream | None) -> None:
         """Remove what a create that did not take place wrote: data, and a fork's marker."""
@@ -1474,6 +1489,21 @@ class StreamStore:
         erased the stream, folder and all."""
         if not self._create_marker(f"{stream.prefix}/{name}"):
             raise StreamNotFound(f"stream {stream.config.path} was deleted")
+
+    def publish_trim(self, stream: _Stream, earliest: int) -> bool:
+        """Make `earliest` the stream's earliest offset, unless a fork reads it: False.
+
+        As with deletes, each side writes before it looks: the trim marker comes before
+        the second look for forks, a fork's marker before its look for trims
+        (`_take_trims`). A trim that then finds a fork is taken back; a process that
+        listed the stream in those milliseconds keeps the trim until it lists it again.
+        """
+        if self.has_forks(stream) or not self._create_marker(stream.trim_key(earliest)):
+            return False
+        if not self.has_forks(stream):
+            return True
+        self.objects.delete(stream.trim_key(earliest))
+        return False
 
     def _create_marker(self, key: str) -> bool:
         """Create the empty object `key` unless it exists (another request wrote it, or

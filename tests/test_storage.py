@@ -33,6 +33,7 @@ from storage import (
     AppendResult,
     CreateRequest,
     InvalidRequest,
+    OffsetTrimmed,
     Payload,
     Producer,
     ProducerFenced,
@@ -683,6 +684,34 @@ def test_a_sweep_frees_a_source_kept_for_a_fork_that_never_came(
     monkeypatch.setattr(storage, "FORK_MARKER_SECONDS", 0.0)
     make_store().sweep()
     assert_freed(make_store(), prefix, "source")
+
+
+def test_a_fork_created_as_another_store_trims_its_source_starts_at_the_trim(
+    make_store: MakeStore,
+) -> None:
+    """Retention looked for forks before this fork marked the source, then trimmed it."""
+    first, second, prefix = two_stores_knowing_a_source(make_store)
+    append_text(first, "source", b"more")
+    trimmed = second._checked_handle("source")
+    around(first, "create", f"{prefix}/forks/", before=lambda: second.publish_trim(trimmed, 4))
+    first.create("fork", CreateRequest("", fork_source="source"))
+    third = make_store()
+    assert read_all(third, "fork") == b"more"
+    with pytest.raises(OffsetTrimmed):
+        third.read("fork", 0)
+
+
+def test_a_trim_that_finds_a_fork_created_meanwhile_is_taken_back(make_store: MakeStore) -> None:
+    """Retention found no fork, then this fork looked for trims before retention wrote its
+    trim: the second look for forks finds it."""
+    first, second, prefix = two_stores_knowing_a_source(make_store)
+    append_text(first, "source", b"more")
+    fork = CreateRequest("", fork_source="source")
+    around(second, "create", f"{prefix}/trim/", before=lambda: first.create("fork", fork))
+    assert second.publish_trim(second._checked_handle("source"), 4) is False
+    third = make_store()
+    assert read_all(third, "fork") == b"datamore"
+    assert read_all(third, "source") == b"datamore"
 
 
 def test_an_append_through_a_store_that_missed_another_store_s_close_is_refused(
