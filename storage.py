@@ -603,7 +603,7 @@ class StreamStore:
 
         A pack replaces the segments it covers; where two packs overlap (two nodes
         compacted at once) the first one wins and the other is simply not used.
-        Pieces below the earliest offset (retention) are unused too.
+        Pieces wholly below the earliest offset (retention) are unused too.
         """
         # Segments before packs: a pack listed here was written before its originals were
         # deleted, and one written after the segment listing found its originals in it.
@@ -629,8 +629,10 @@ class StreamStore:
         for start, negative_end, is_pack in pieces:
             end = -negative_end
             key = stream.pack_key(start, end) if is_pack else stream.segment_key(start)
-            if start < covered_to or start < earliest:
-                if not is_pack or start < earliest:
+            # A trim cuts at a piece start, but another node may have packed across it.
+            trimmed = end <= earliest if is_pack else start < earliest
+            if start < covered_to or trimmed:
+                if not is_pack or trimmed:
                     unused.append(key)
                 continue
             starts.append(start)

@@ -714,6 +714,21 @@ def test_a_trim_that_finds_a_fork_created_meanwhile_is_taken_back(make_store: Ma
     assert read_all(third, "source") == b"datamore"
 
 
+def test_a_pack_that_another_store_trims_through_serves_the_rest(make_store: MakeStore) -> None:
+    """One node packed segments [0, 6) while another, which had not seen the pack, trimmed
+    the stream at 2. Once each has removed what it replaced or trimmed, only the pack
+    holds [2, 6)."""
+    packer, trimmer = make_store(), make_store()
+    packer.create("log", CreateRequest(TEXT, payload=Payload(b"aa")))
+    for data in (b"bb", b"cc", b"dd"):
+        append_text(packer, "log", data)
+    trimmed = trimmer._checked_handle("log")
+    compaction._compact(packer, packer._streams["log"])
+    assert trimmer.publish_trim(trimmed, 2)
+    packer.objects.delete_many([trimmed.segment_key(start) for start in (0, 2, 4)])
+    assert read_all(make_store(), "log") == b"bbccdd"
+
+
 def test_an_append_through_a_store_that_missed_another_store_s_close_is_refused(
     make_store: MakeStore,
 ) -> None:
