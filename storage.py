@@ -880,11 +880,13 @@ class StreamStore:
         self._take_trims(source, fork)
 
     def _take_trims(self, source: _Stream, fork: _Stream) -> None:
-        """Start `fork` no lower than its source's retention trimmed since it was
-        validated: that trim came before its marker was written (`publish_trim`)."""
+        """Start `fork` no lower than its source's retention trimmed, or set out to trim,
+        since it was validated (`publish_trim`). Intents are listed first: one may be
+        replaced by its trim between the two listings, never the other way round."""
         origin = fork.config.fork
         assert origin is not None
-        names = self.objects.list(f"{source.prefix}/trim")
+        names = self.objects.list(f"{source.prefix}/trimming")
+        names += self.objects.list(f"{source.prefix}/trim")
         earliest = max((int(name) for name in names if name.isdigit()), default=0)
         if earliest <= origin.earliest:
             return
@@ -1199,18 +1201,16 @@ class StreamStore:
     def read(self, path: str, offset: int | None, max_bytes: int | None = None) -> ReadResult:
         """Up to `max_bytes` from `offset` (None: the start), ending on a message boundary."""
         stream = self._open(path, touch=True)
-        start = stream.earliest if offset is None else offset
-        if start < stream.earliest:
-            raise OffsetTrimmed(stream.earliest)
         most = max_bytes or self.settings.max_read_bytes
         current = True
-        if start + most >= stream.state.tail:
+        if _read_start(stream, offset) + most >= stream.state.tail:
             try:
                 self._refresh(stream)  # the answer may reach the tail: say up-to-date truly
             except StorageUnavailable:
-                if start >= stream.state.tail:
+                if _read_start(stream, offset) >= stream.state.tail:
                     raise
                 current = False  # storage is down: serve what we know, claim nothing more
+        start = _read_start(stream, offset)  # again: retention may have trimmed meanwhile
         tail = stream.state.tail
         if start > tail:
             raise InvalidRequest("offset is beyond the end of the stream")
@@ -1495,17 +1495,18 @@ class StreamStore:
     def publish_trim(self, stream: _Stream, earliest: int) -> bool:
         """Make `earliest` the stream's earliest offset, unless a fork reads it: False.
 
-        As with deletes, each side writes before it looks: the trim marker comes before
-        the second look for forks, a fork's marker before its look for trims
-        (`_take_trims`). A trim that then finds a fork is taken back; a process that
-        listed the stream in those milliseconds keeps the trim until it lists it again.
+        As with deletes, each side writes before it looks: retention its intent
+        (`trimming/<offset>`, which readers never see) before its second look for
+        forks, a fork its marker before it looks for intents and trims (`_take_trims`).
+        So no trim is published that a fork's earliest offset does not take into account.
         """
-        if self.has_forks(stream) or not self._create_marker(stream.trim_key(earliest)):
+        intent = f"{stream.prefix}/trimming/{segment_name(earliest)}"
+        if self.has_forks(stream) or not self._create_marker(intent):
             return False
-        if not self.has_forks(stream):
-            return True
-        self.objects.delete(stream.trim_key(earliest))
-        return False
+        try:
+            return not self.has_forks(stream) and self._create_marker(stream.trim_key(earliest))
+        finally:
+            self.objects.delete_tree(intent)
 
     def _create_marker(self, key: str) -> bool:
         """Create the empty object `key` unless it exists (another request wrote it, or
@@ -1586,6 +1587,14 @@ class StreamStore:
 def _fork_marker(source: _Stream, fork: StreamConfig) -> str:
     """The key of the object that tells deletes of `source` that `fork` reads it."""
     return f"{source.prefix}/forks/{stream_key(fork.path)}+{fork.incarnation}"
+
+
+def _read_start(stream: _Stream, offset: int | None) -> int:
+    """Where a read from `offset` (None: the earliest retained) starts; 410 if trimmed."""
+    start = stream.earliest if offset is None else offset
+    if start < stream.earliest:
+        raise OffsetTrimmed(stream.earliest)
+    return start
 
 
 def _first_taken_now(chunks: Iterator[bytes]) -> Iterator[bytes]:

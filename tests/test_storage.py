@@ -701,17 +701,40 @@ def test_a_fork_created_as_another_store_trims_its_source_starts_at_the_trim(
         third.read("fork", 0)
 
 
-def test_a_trim_that_finds_a_fork_created_meanwhile_is_taken_back(make_store: MakeStore) -> None:
-    """Retention found no fork, then this fork looked for trims before retention wrote its
-    trim: the second look for forks finds it."""
+@pytest.mark.parametrize(("when", "fork_reads"), [("before", b"datamore"), ("after", b"more")])
+def test_a_trim_that_finds_a_fork_created_meanwhile_is_not_published(
+    make_store: MakeStore, when: str, fork_reads: bytes
+) -> None:
+    """Retention found no fork, then a fork was created before or after it wrote its
+    intent: its second look finds the fork. A fork that saw the intent starts there."""
     first, second, prefix = two_stores_knowing_a_source(make_store)
     append_text(first, "source", b"more")
     fork = CreateRequest("", fork_source="source")
-    around(second, "create", f"{prefix}/trim/", before=lambda: first.create("fork", fork))
+    creating = {when: lambda: first.create("fork", fork)}
+    around(second, "create", f"{prefix}/trimming/", **creating)
     assert second.publish_trim(second._checked_handle("source"), 4) is False
     third = make_store()
-    assert read_all(third, "fork") == b"datamore"
+    assert read_all(third, "fork") == fork_reads
     assert read_all(third, "source") == b"datamore"
+    assert third.objects.list(f"{prefix}/trimming") == []
+
+
+def test_a_read_from_the_start_while_retention_trims_starts_at_the_trim(
+    make_store: MakeStore,
+) -> None:
+    """The read looks for news at the tail (a yield on S3) while retention, in the same
+    process, trims: it starts at the new earliest offset, not at the one it opened."""
+    store = make_store()
+    store.create("log", CreateRequest(TEXT, payload=Payload(b"data")))
+    append_text(store, "log", b"more")
+    handle = store._checked_handle("log")
+
+    def trim() -> None:  # what retention.py does after publishing
+        assert store.publish_trim(handle, 4)
+        handle.starts, handle.earliest = [4], 4
+
+    around(store, "may_exist", handle.segment_key(8), before=trim)
+    assert read_all(store, "log") == b"more"
 
 
 def test_a_pack_that_another_store_trims_through_serves_the_rest(make_store: MakeStore) -> None:
