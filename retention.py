@@ -9,7 +9,8 @@ stream's earliest offset, published as a create-only marker
 so every process answers 410 below it within `index_max_age`; the pieces are
 deleted `delete_grace` later. A piece goes only once the piece after it is older
 than twice `index_max_age`: no writer can then hold a tail so old that the trimmed
-name would look free. Forked streams are not trimmed: their forks read the data.
+name would look free. Forked streams are not trimmed: their forks read the data
+(`StreamStore.publish_trim` says how a trim and a fork being created see each other).
 The last piece, with the stream's state (closed flag, producers), always stays.
 """
 

@@ -10,6 +10,8 @@ never rewritten):
                                                     (compaction.py)
     <root>/streams/<key>/<incarnation>/trim/<pos>   retention dropped the data before <pos>
                                                     (retention.py)
+    <root>/streams/<key>/<incarnation>/trimming/<pos>
+                                                    retention's intent while it looks for forks
     <root>/streams/<key>/<incarnation>/gone         soft-delete tombstone (forks still read)
     <root>/streams/<key>/<incarnation>/deleting     a DELETE has begun: forks are refused
     <root>/streams/<key>/<incarnation>/forks/<key>+<incarnation>
