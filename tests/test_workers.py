@@ -885,3 +885,69 @@ def test_forks_racing_deletes_of_their_sources_on_every_worker_are_never_orphane
     assert set(forks_read) <= {200, 404}, forks_read
     assert set(forks_deleted) <= {204, 404}, forks_deleted
     assert set(sources_read) <= {200, 404}, sources_read  # none is kept for a fork now
+
+
+# Every housekeeping job at work at once: retention (a few hundred bytes kept), compaction
+# and re-listing of indexes every half second, TTLs that lapse, the sweep, forks of
+# expiring streams, producers and closes, while streams are deleted and re-created.
+HOUSEKEEPING_ENV = {
+    "PICOMQ_RETENTION_BYTES": "400",
+    "PICOMQ_INDEX_MAX_AGE": "0.5",
+    "PICOMQ_SWEEP_INTERVAL": "2",
+}
+PRODUCER = {"Producer-Id": "racer", "Producer-Epoch": "0", "Producer-Seq": "0"}
+HOUSEKEEPING_REQUESTS = {
+    **FORK_REQUESTS,
+    "source produce": RacingRequest(
+        2, "POST", body=b"[9]", headers={**JSON_HEADERS, **PRODUCER}, target="source"
+    ),
+    "source close": RacingRequest(
+        1, "POST", headers={**JSON_HEADERS, CLOSED: "true"}, target="source"
+    ),
+    "source long-poll": RacingRequest(2, "GET", "?offset=now&live=long-poll", target="source"),
+    "expiring create": RacingRequest(
+        2, "PUT", body=b"[1]", headers={**JSON_HEADERS, "Stream-TTL": "2"}, target="expiring"
+    ),
+    "expiring append": RacingRequest(
+        3, "POST", body=b"[4]", headers=JSON_HEADERS, target="expiring"
+    ),
+    "expiring read": RacingRequest(2, "GET", "?offset=-1", target="expiring"),
+    "expiring fork": RacingRequest(
+        2, "PUT", headers={FORKED_FROM: "{expiring}"}, target="expiring-fork"
+    ),
+    "expiring-fork read": RacingRequest(2, "GET", "?offset=-1", target="expiring-fork"),
+    "expiring-fork delete": RacingRequest(1, "DELETE", target="expiring-fork"),
+}
+
+
+@pytest.mark.parametrize("storage", ["local", "s3"])
+def test_housekeeping_racing_requests_on_every_worker_never_answers_an_error(
+    request: pytest.FixtureRequest,
+    start_server: StartServer,
+    tmp_path: Path,
+    unique_stream: str,
+    storage: str,
+) -> None:
+    """Every request sent is well formed, so none may answer 400 or 5xx while retention,
+    compaction, expiry and the sweep work on the streams through every worker; except a
+    long-poll from `now` whose stream is deleted and re-created shorter meanwhile (its
+    offset is then beyond the end)."""
+    storage_url, env = None, HOUSEKEEPING_ENV
+    if storage == "s3":
+        s3_storage = request.getfixturevalue("s3_storage")
+        storage_url, env = s3_storage.url, {**s3_storage.env, **HOUSEKEEPING_ENV}
+    server, _ = start_logged_server(start_server, tmp_path, storage_url=storage_url, env=env)
+    roles = ("source", "fork", "expiring", "expiring-fork")
+    streams = [
+        {role: f"{unique_stream}-{number}-{role}" for role in roles} for number in range(FORK_PAIRS)
+    ]
+    answers = race_mixed_requests(server, streams, HOUSEKEEPING_REQUESTS)
+    errors = {
+        answer
+        for answer in answers
+        if answer.endswith(" 400")
+        and answer != "source long-poll 400"
+        or answer.split()[-1].startswith("5")
+    }
+    assert not errors, f"errors among {answers}"
+    assert answers["expiring fork 201"] and answers["source delete 204"], answers
