@@ -87,7 +87,8 @@ SEGMENT_INDEXES_KEPT = 1024  # per stream; a few hundred bytes each
 # A fork being created marks its source, then writes its meta.json within
 # FORK_SETUP_SECONDS or gives up. Until a marker is FORK_MARKER_SECONDS old, a delete
 # of the source counts it as a fork even without that meta.json; the margin covers
-# nodes and storage whose clocks disagree.
+# nodes and storage whose clocks disagree. Retention's intent to trim is bounded the
+# same way (`publish_trim`).
 FORK_SETUP_SECONDS = 10.0
 FORK_MARKER_SECONDS = 60.0
 
@@ -887,7 +888,11 @@ class StreamStore:
         replaced by its trim between the two listings, never the other way round."""
         origin = fork.config.fork
         assert origin is not None
-        names = self.objects.list(f"{source.prefix}/trimming")
+        names = [
+            name
+            for name in self.objects.list(f"{source.prefix}/trimming")
+            if _younger(self.objects.modified(f"{source.prefix}/trimming/{name}"))
+        ]
         names += self.objects.list(f"{source.prefix}/trim")
         earliest = max((int(name) for name in names if name.isdigit()), default=0)
         if earliest <= origin.earliest:
@@ -1501,12 +1506,19 @@ class StreamStore:
         (`trimming/<offset>`, which readers never see) before its second look for
         forks, a fork its marker before it looks for intents and trims (`_take_trims`).
         So no trim is published that a fork's earliest offset does not take into account.
+        An intent is given up after FORK_SETUP_SECONDS, and one a crash left behind is
+        ignored once FORK_MARKER_SECONDS old.
         """
         intent = f"{stream.prefix}/trimming/{segment_name(earliest)}"
+        started = time.monotonic()
         if self.has_forks(stream) or not self._create_marker(intent):
             return False
         try:
-            return not self.has_forks(stream) and self._create_marker(stream.trim_key(earliest))
+            return (
+                not self.has_forks(stream)
+                and time.monotonic() - started <= FORK_SETUP_SECONDS
+                and self._create_marker(stream.trim_key(earliest))
+            )
         finally:
             self.objects.delete_tree(intent)
 
@@ -1543,7 +1555,7 @@ class StreamStore:
                 return True
         except FileNotFoundError:
             pass
-        if time.time() - (self.objects.modified(marker) or 0.0) < FORK_MARKER_SECONDS:
+        if _younger(self.objects.modified(marker)):
             return True
         self.objects.delete_tree(marker)
         return False
@@ -1589,6 +1601,11 @@ class StreamStore:
 def _fork_marker(source: _Stream, fork: StreamConfig) -> str:
     """The key of the object that tells deletes of `source` that `fork` reads it."""
     return f"{source.prefix}/forks/{stream_key(fork.path)}+{fork.incarnation}"
+
+
+def _younger(modified: float | None) -> bool:
+    """Whether a marker modified then (None: gone) may still be one being acted on."""
+    return time.time() - (modified or 0.0) < FORK_MARKER_SECONDS
 
 
 def _read_start(stream: _Stream, offset: int | None) -> int:

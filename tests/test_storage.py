@@ -719,6 +719,18 @@ def test_a_trim_that_finds_a_fork_created_meanwhile_is_not_published(
     assert third.objects.list(f"{prefix}/trimming") == []
 
 
+def test_a_trim_intent_left_by_a_crash_stops_counting_once_old(
+    make_store: MakeStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Retention's process died between writing its intent and removing it."""
+    store, _, prefix = two_stores_knowing_a_source(make_store)
+    append_text(store, "source", b"more")
+    store.objects.create(f"{prefix}/trimming/{storage.segment_name(4)}", b"")
+    monkeypatch.setattr(storage, "FORK_MARKER_SECONDS", 0.0)
+    store.create("fork", CreateRequest("", fork_source="source"))
+    assert read_all(make_store(), "fork") == b"datamore"
+
+
 def test_a_read_from_the_start_while_retention_trims_starts_at_the_trim(
     make_store: MakeStore,
 ) -> None:
