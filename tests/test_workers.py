@@ -844,22 +844,34 @@ FORK_REQUESTS = {
 }
 
 
-@pytest.mark.parametrize("storage", ["local", "s3"])
+StartOnStorage = Callable[..., "Server"]
+
+
+@pytest.fixture(params=["local", "s3"])
+def start_on_each_storage(
+    request: pytest.FixtureRequest, start_server: StartServer, tmp_path: Path
+) -> StartOnStorage:
+    """`start(env=None)`: start_logged_server on local disk, and in the second run on a
+    fresh bucket of the session's moto_server."""
+
+    def start(env: dict[str, str] | None = None) -> Server:
+        storage_url = None
+        if request.param == "s3":
+            s3_storage = request.getfixturevalue("s3_storage")
+            storage_url, env = s3_storage.url, {**s3_storage.env, **(env or {})}
+        server, _ = start_logged_server(start_server, tmp_path, storage_url=storage_url, env=env)
+        return server
+
+    return start
+
+
 def test_forks_racing_deletes_of_their_sources_on_every_worker_are_never_orphaned(
-    request: pytest.FixtureRequest,
-    start_server: StartServer,
-    tmp_path: Path,
-    unique_stream: str,
-    storage: str,
+    start_on_each_storage: StartOnStorage, unique_stream: str
 ) -> None:
     """Forks are created, used and deleted while their sources are deleted and re-created,
     through every worker: no request answers a 5xx. Afterwards fresh processes, which know
     only what storage says, read every fork, and deleting it frees a soft-deleted source."""
-    storage_url, env = None, None
-    if storage == "s3":
-        s3_storage = request.getfixturevalue("s3_storage")
-        storage_url, env = s3_storage.url, s3_storage.env
-    server, _ = start_logged_server(start_server, tmp_path, storage_url=storage_url, env=env)
+    server = start_on_each_storage()
     pairs = [
         {"source": f"{unique_stream}-{number}", "fork": f"{unique_stream}-{number}-fork"}
         for number in range(FORK_PAIRS)
@@ -920,23 +932,14 @@ HOUSEKEEPING_REQUESTS = {
 }
 
 
-@pytest.mark.parametrize("storage", ["local", "s3"])
 def test_housekeeping_racing_requests_on_every_worker_never_answers_an_error(
-    request: pytest.FixtureRequest,
-    start_server: StartServer,
-    tmp_path: Path,
-    unique_stream: str,
-    storage: str,
+    start_on_each_storage: StartOnStorage, unique_stream: str
 ) -> None:
     """Every request sent is well formed, so none may answer 400 or 5xx while retention,
     compaction, expiry and the sweep work on the streams through every worker; except a
     long-poll from `now` whose stream is deleted and re-created shorter meanwhile (its
     offset is then beyond the end)."""
-    storage_url, env = None, HOUSEKEEPING_ENV
-    if storage == "s3":
-        s3_storage = request.getfixturevalue("s3_storage")
-        storage_url, env = s3_storage.url, {**s3_storage.env, **HOUSEKEEPING_ENV}
-    server, _ = start_logged_server(start_server, tmp_path, storage_url=storage_url, env=env)
+    server = start_on_each_storage(HOUSEKEEPING_ENV)
     roles = ("source", "fork", "expiring", "expiring-fork")
     streams = [
         {role: f"{unique_stream}-{number}-{role}" for role in roles} for number in range(FORK_PAIRS)
