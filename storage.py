@@ -604,9 +604,12 @@ class StreamStore:
     def _list_pieces(self, stream: _Stream) -> tuple[list[int], dict[int, str], list[str], int]:
         """Starts of the pieces in use, pack keys by start, unused keys, earliest offset.
 
-        A pack replaces the segments it covers; where two packs overlap (two nodes
-        compacted at once) the first one wins and the other is simply not used.
-        Pieces wholly below the earliest offset (retention) are unused too.
+        A pack replaces the segments it covers. Packs that two nodes made over each
+        other may overlap: the first one listed is used, and a later one only for
+        what it holds past the first (the segments there may be gone, replaced by
+        it); one wholly inside is not used. Nor are pieces wholly below the earliest
+        offset (retention). Pieces used may therefore overlap: a read finds the one
+        with the last start at or before its offset, which holds it.
         """
         # Segments before packs: a pack listed here was written before its originals were
         # deleted, and one written after the segment listing found its originals in it.
@@ -634,7 +637,8 @@ class StreamStore:
             key = stream.pack_key(start, end) if is_pack else stream.segment_key(start)
             # A trim cuts at a piece start, but another node may have packed across it.
             trimmed = end <= earliest if is_pack else start < earliest
-            if start < covered_to or trimmed:
+            covered = end <= covered_to if is_pack else start < covered_to
+            if covered or trimmed:
                 if not is_pack or trimmed:
                     unused.append(key)
                 continue

@@ -13,7 +13,7 @@ from __future__ import annotations
 import errno
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 
 import fsspec
@@ -762,6 +762,26 @@ def test_a_pack_that_another_store_trims_through_serves_the_rest(make_store: Mak
     assert trimmer.publish_trim(trimmed, 2)
     packer.objects.delete_many([trimmed.segment_key(start) for start in (0, 2, 4)])
     assert read_all(make_store(), "log") == b"bbccdd"
+
+
+def test_packs_two_stores_made_over_each_other_serve_all_they_hold(
+    make_store: MakeStore,
+) -> None:
+    """One node packed [0, 6) then [6, 12); another, which had seen neither, packed
+    [0, 10). Once each has removed the segments it replaced, [10, 12) is only in the
+    first node's second pack, which starts inside the other node's."""
+    first, second = make_store(), make_store()
+    first.settings = replace(first.settings, compact_max_segments=3)
+    second.settings = replace(second.settings, compact_max_segments=5)
+    first.create("log", CreateRequest(TEXT, payload=Payload(b"aa")))
+    for data in (b"bb", b"cc", b"dd", b"ee", b"ff", b"gg", b"hh"):
+        append_text(first, "log", data)
+    unaware = second._checked_handle("log")
+    for _ in range(2):
+        compaction._compact(first, first._streams["log"])
+    compaction._compact(second, unaware)
+    first.objects.delete_many([unaware.segment_key(start) for start in range(0, 12, 2)])
+    assert read_all(make_store(), "log") == b"aabbccddeeffgghh"
 
 
 def test_an_append_through_a_store_that_missed_another_store_s_close_is_refused(
