@@ -59,8 +59,8 @@ def register_operations(app: Flask, store: StreamStore, settings: Settings) -> N
 
 
 def sweep_forever(store: StreamStore, interval: float) -> None:
-    """Every `interval` seconds, in every worker, sweep out expired streams and
-    soft-deleted ones that no fork reads any more."""
+    """Every `interval` seconds, in every worker, sweep out expired streams,
+    soft-deleted ones that no fork reads any more, and folders no stream uses."""
     while True:
         gevent.sleep(interval * random.uniform(0.75, 1.25))  # workers and nodes spread out
         try:

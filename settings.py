@@ -239,9 +239,10 @@ SETTINGS: tuple[Setting, ...] = (
         "sweep_interval",
         "auto",
         _auto_or_non_negative_float,
-        "Seconds between sweeps that delete expired streams nobody opens any more, and"
-        " soft-deleted streams no fork reads any more (auto: 3600 on local disk, 0 (off)"
-        " on object stores, where a sweep lists the bucket).",
+        "Seconds between sweeps that delete expired streams nobody opens any more,"
+        " soft-deleted streams no fork reads any more and, on local disk, what writers"
+        " racing deletes left (auto: 3600 on local disk, 0 (off) on object stores, where"
+        " a sweep lists the bucket).",
     ),
     Setting(
         "log_format",

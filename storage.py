@@ -1440,14 +1440,20 @@ class StreamStore:
             if not key.startswith("~"):
                 yield unquote(key)
                 continue
-            try:
-                yield StreamConfig.from_json(self.objects.read(f"streams/{key}/meta.json")).path
-            except (FileNotFoundError, orjson.JSONDecodeError):
-                continue
+            config = self._config_at(key)
+            if config is not None:
+                yield config.path
+
+    def _config_at(self, key: str) -> StreamConfig | None:
+        """The config in `streams/<key>/meta.json`; None if absent or unreadable."""
+        try:
+            return StreamConfig.from_json(self.objects.read(f"streams/{key}/meta.json"))
+        except (FileNotFoundError, orjson.JSONDecodeError):
+            return None
 
     def sweep(self) -> None:
-        """Delete every expired stream, touched or not, and free soft-deleted ones
-        whose forks have all gone.
+        """Delete every expired stream, touched or not, free soft-deleted ones whose
+        forks have all gone, and remove folders no stream uses (local disk).
 
         Opening a stream is what deletes it once expired, so a stream nobody opens again
         would keep its data for ever. Opening each one (opening never renews a TTL) is
@@ -1455,17 +1461,44 @@ class StreamStore:
         freed when its last fork goes, or here if that fork failed or was never
         created (a crash between its steps).
         """
-        for path in list(self.paths()):
+        for key in self.objects.list("streams"):
             try:
-                stream = self._checked_handle(path)
-                if stream.gone and not self.has_forks(stream):
-                    self._erase(stream)
-                else:
-                    self._open(path)
+                config = self._config_at(key)
+                if config is not None:
+                    self._sweep_stream(config.path)
+                self._remove_unused_folders(key, config)
             except (StreamNotFound, StreamGone):
                 continue
             finally:
                 gevent.sleep(0)  # local reads block the loop: requests go first between streams
+
+    def _sweep_stream(self, path: str) -> None:
+        stream = self._checked_handle(path)
+        if stream.gone and not self.has_forks(stream):
+            self._erase(stream)
+        else:
+            self._open(path)
+
+    def _remove_unused_folders(self, key: str, config: StreamConfig | None) -> None:
+        """Remove incarnation folders of `key` that its meta.json does not name.
+
+        What a writer that raced a delete, or a delete cut short, left behind: nothing
+        reads them. A create writes its folder before its meta.json, so only folders
+        unchanged for `delete_grace` go. Object stores have no folders with an age:
+        there this removes nothing.
+        """
+        current = config.incarnation if config is not None else None
+        for name in self.objects.list(f"streams/{key}"):
+            folder = f"streams/{key}/{name}"
+            if name in ("meta.json", current):
+                continue
+            modified = self.objects.modified(folder)
+            if modified is not None and time.time() - modified > self.settings.delete_grace:
+                log.info("removing %s: no stream uses it", folder)
+                try:
+                    self.objects.delete_tree(folder)
+                except OSError as error:  # written to meanwhile: the next sweep tries again
+                    log.warning("could not remove %s: %s", folder, error)
 
     # -- delete ---------------------------------------------------------------------------
 

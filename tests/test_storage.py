@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
@@ -423,6 +424,28 @@ def test_a_sweep_deletes_expired_streams_nobody_touches(make_store: MakeStore) -
         store.head("lapsed")
     assert read_all(other_node, "lasting") == b"kept"
     assert read_all(other_node, "plain") == b"kept"
+
+
+def test_a_sweep_removes_folders_no_stream_uses_once_old(
+    make_store: MakeStore, storage_url: str
+) -> None:
+    """A writer that raced a delete left a segment in the deleted stream's folder."""
+    if storage_url.startswith("s3://"):
+        pytest.skip("object stores have no folders with an age")
+    store = make_store()
+    store.create("log", CreateRequest(TEXT, payload=Payload(b"old")))
+    deleted = store._checked_handle("log")
+    store.delete("log")
+    store.create("log", CreateRequest(TEXT, payload=Payload(b"new")))
+    old_leftover, young_leftover = f"{deleted.prefix}/seg", "streams/log/0123456789abcdef/seg"
+    for folder in (old_leftover, young_leftover):
+        store.objects.create(f"{folder}/{storage.segment_name(3)}", b"raced")
+    an_hour_ago = time.time() - 3600
+    os.utime(store.objects.path(deleted.prefix), (an_hour_ago, an_hour_ago))
+    store.sweep()
+    kept = ["meta.json", "0123456789abcdef", store.head("log").incarnation]
+    assert sorted(store.objects.list("streams/log")) == sorted(kept)
+    assert read_all(store, "log") == b"new"
 
 
 def test_deleting_a_forked_source_keeps_it_for_its_forks(make_store: MakeStore) -> None:
