@@ -1462,15 +1462,14 @@ class StreamStore:
         created (a crash between its steps).
         """
         for key in self.objects.list("streams"):
+            config = self._config_at(key)
             try:
-                config = self._config_at(key)
                 if config is not None:
                     self._sweep_stream(config.path)
-                self._remove_unused_folders(key, config)
             except (StreamNotFound, StreamGone):
-                continue
-            finally:
-                gevent.sleep(0)  # local reads block the loop: requests go first between streams
+                pass
+            self._remove_unused_folders(key, config)
+            gevent.sleep(0)  # local reads block the loop: requests go first between streams
 
     def _sweep_stream(self, path: str) -> None:
         stream = self._checked_handle(path)
