@@ -624,7 +624,7 @@ class StreamStore:
         )
         trims = self.objects.list(f"{stream.prefix}/trim")
         inherited = stream.config.fork.earliest if stream.config.fork else 0
-        earliest = max((int(name) for name in trims if name.isdigit()), default=inherited)
+        earliest = _highest_offset(trims, default=inherited)
         starts, keys, unused, covered_to = [], {}, [], -1
         # At one start, a pack (the longest piece) comes before the segment it replaced.
         pieces = sorted(
@@ -898,7 +898,7 @@ class StreamStore:
             if _younger(self.objects.modified(f"{source.prefix}/trimming/{name}"))
         ]
         names += self.objects.list(f"{source.prefix}/trim")
-        earliest = max((int(name) for name in names if name.isdigit()), default=0)
+        earliest = _highest_offset(names, default=0)
         if earliest <= origin.earliest:
             return
         if origin.point < earliest:
@@ -1473,7 +1473,7 @@ class StreamStore:
 
     def _sweep_stream(self, path: str) -> None:
         stream = self._checked_handle(path)
-        if stream.gone and not self.has_forks(stream):
+        if stream.gone and not self._has_forks(stream):
             self._erase(stream)
         else:
             self._open(path)
@@ -1484,8 +1484,10 @@ class StreamStore:
         What a writer that raced a delete, or a delete cut short, left behind: nothing
         reads them. A create writes its folder before its meta.json, so only folders
         unchanged for `delete_grace` go. Object stores have no folders with an age:
-        there this removes nothing.
+        there it does nothing (and lists nothing).
         """
+        if not self.objects.is_local:
+            return
         current = config.incarnation if config is not None else None
         for name in self.objects.list(f"streams/{key}"):
             folder = f"streams/{key}/{name}"
@@ -1512,15 +1514,12 @@ class StreamStore:
         before the second (against the last fork going meanwhile, `_release_source`).
         """
         self._mark_stream(stream, "deleting")
-        if self.has_forks(stream):
+        if self._has_forks(stream):
             self._mark_stream(stream, "gone")
             stream.gone = True
-            if self.has_forks(stream):
+            if self._has_forks(stream):
                 return True
-            try:
-                self._erase(stream)
-            except StreamNotFound:
-                pass  # the last fork, going, erased it first
+            self._erase_if_there(stream)  # the last fork, going, may have erased it first
             return False
         try:
             self._erase(stream)
@@ -1547,11 +1546,11 @@ class StreamStore:
         """
         intent = f"{stream.prefix}/trimming/{segment_name(earliest)}"
         started = time.monotonic()
-        if self.has_forks(stream) or not self._create_marker(intent):
+        if self._has_forks(stream) or not self._create_marker(intent):
             return False
         try:
             return (
-                not self.has_forks(stream)
+                not self._has_forks(stream)
                 and time.monotonic() - started <= FORK_SETUP_SECONDS
                 and self._create_marker(stream.trim_key(earliest))
             )
@@ -1569,7 +1568,7 @@ class StreamStore:
             return False
         return True
 
-    def has_forks(self, stream: _Stream) -> bool:
+    def _has_forks(self, stream: _Stream) -> bool:
         """True while a fork reads the stream, or may be about to (one being created)."""
         return any(
             self._fork_reads(f"{stream.prefix}/forks/{name}", name)
@@ -1619,11 +1618,14 @@ class StreamStore:
         The marker goes before the look for `gone` (see `_retire`).
         """
         self.objects.delete_tree(_fork_marker(source, fork))
-        if self.objects.exists(f"{source.prefix}/gone") and not self.has_forks(source):
-            try:
-                self._erase(source)
-            except StreamNotFound:
-                pass  # its delete, or another fork going, erased it first
+        if self.objects.exists(f"{source.prefix}/gone") and not self._has_forks(source):
+            self._erase_if_there(source)  # its delete, or another fork going, may be first
+
+    def _erase_if_there(self, stream: _Stream) -> None:
+        try:
+            self._erase(stream)
+        except StreamNotFound:
+            pass
 
     def _remove_leftovers(self, stream: _Stream) -> None:
         """Remove the folder of a stream that no longer exists; a writer that raced its
@@ -1637,6 +1639,11 @@ class StreamStore:
 def _fork_marker(source: _Stream, fork: StreamConfig) -> str:
     """The key of the object that tells deletes of `source` that `fork` reads it."""
     return f"{source.prefix}/forks/{stream_key(fork.path)}+{fork.incarnation}"
+
+
+def _highest_offset(names: list[str], *, default: int) -> int:
+    """The highest offset among marker names (`trim/<offset>`, `trimming/<offset>`)."""
+    return max((int(name) for name in names if name.isdigit()), default=default)
 
 
 def _younger(modified: float | None) -> bool:
