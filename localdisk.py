@@ -1,12 +1,11 @@
 """Durable create-only writes on local disk.
 
 fsspec's local create-only write is check-then-write, not atomic, and fsspec never
-fsyncs. So local disk writes a temporary file, makes it durable, and `os.link`s it
-into place: the link is the atomic create-only step, and no reader ever sees a
-half-written object. The data is durable before the link publishes it; the link is
-durable before the create returns.
+fsyncs. So local disk writes a temporary file and `os.link`s it into place: the link
+is the atomic create-only step, and no reader ever sees a half-written object. Data
+and link are durable before the create returns.
 
-Two ways to get there:
+For most objects the data is made durable before the link publishes it, two ways:
 - `create_durably`, one object at a time: fsync the file, link, fsync the directory.
   Any POSIX system.
 - `BatchedCreates`, on Linux: creates that arrive together write all their temporary
@@ -18,6 +17,12 @@ Two ways to get there:
   around them, was most of an append's cost when 1,000 streams took appends at once.
   A syncfs also writes whatever else is dirty on that filesystem, so a data directory
   that shares its filesystem with heavy writers waits for their data too.
+
+An object its loader verifies whole (a segment: length and checksums, dropped as torn
+when they fail) may skip the sync before its link: written, linked, then one syncfs
+makes data and link durable together, half the syncs of a live append. Until that
+syncfs returns, a crash may leave the linked file torn; it was never acknowledged,
+and no other process serves it before `sync_published` has made it durable.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import ctypes
 import os
 import uuid
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import gevent
 from gevent.event import AsyncResult
@@ -38,6 +43,14 @@ CAN_SYNC_FILESYSTEM = _SYNCFS is not None
 Outcome = OSError | None  # one per object of a batch: None when it was created
 
 
+class Create(NamedTuple):
+    """One object to create; `verified_on_load` as the module's docstring says."""
+
+    path: str
+    data: bytes
+    verified_on_load: bool = False
+
+
 def create_durably(path: str, data: bytes) -> None:
     """Create one object durably with fsyncs; `FileExistsError` if `path` exists."""
     temporary, descriptor = _write_temporary(path, data, fsync=True)
@@ -46,17 +59,31 @@ def create_durably(path: str, data: bytes) -> None:
     fsync_directory(os.path.dirname(path))
 
 
-def create_many(objects: list[tuple[str, bytes]]) -> list[Outcome]:
-    """Create each (path, data) durably, all sharing two syncs of their filesystems.
+def publish_then_sync(path: str, data: bytes) -> None:
+    """Create one object its loader verifies: write, link, then one syncfs for both."""
+    temporary, descriptor = _write_temporary(path, data, fsync=False)
+    try:
+        _link_into_place(temporary, path)
+        _sync_filesystems([descriptor])
+    finally:
+        os.close(descriptor)
+
+
+def create_many(objects: list[Create]) -> list[Outcome]:
+    """Create each object durably, all sharing the syncs of their filesystems.
 
     Each object fails or succeeds alone: one that exists already gets its
-    `FileExistsError` while the others are created. A lone object takes the fsyncs
-    instead: they write only its file and directory, where a syncfs would also write
-    everything else dirty on the filesystem.
+    `FileExistsError` while the others are created. A lone object that needs its data
+    synced before its link takes the fsyncs instead: they write only its file and
+    directory, where a syncfs would also write everything else dirty on the filesystem.
     """
     if len(objects) == 1:
+        lone = objects[0]
         try:
-            create_durably(*objects[0])
+            if lone.verified_on_load:
+                publish_then_sync(lone.path, lone.data)
+            else:
+                create_durably(lone.path, lone.data)
         except OSError as error:
             return [error]
         return [None]
@@ -71,12 +98,10 @@ def create_many(objects: list[tuple[str, bytes]]) -> list[Outcome]:
             os.close(descriptor)
 
 
-def _create_sharing_syncs(
-    objects: list[tuple[str, bytes]], filesystems: dict[int, int]
-) -> list[Outcome]:
+def _create_sharing_syncs(objects: list[Create], filesystems: dict[int, int]) -> list[Outcome]:
     outcomes: list[Outcome] = [None] * len(objects)
     staged: list[tuple[int, str, str]] = []
-    for number, (path, data) in enumerate(objects):
+    for number, (path, data, _) in enumerate(objects):
         try:
             temporary, descriptor = _write_temporary(path, data, fsync=False)
         except OSError as error:
@@ -89,7 +114,8 @@ def _create_sharing_syncs(
         else:
             filesystems[device] = descriptor
     try:
-        _sync_filesystems(filesystems.values())  # the data, before any link publishes it
+        if not all(create.verified_on_load for create in objects):
+            _sync_filesystems(filesystems.values())  # the data, before any link publishes it
     except OSError as error:
         for number, temporary, _ in staged:
             _remove_quietly(temporary)
@@ -101,7 +127,7 @@ def _create_sharing_syncs(
         except OSError as error:
             outcomes[number] = error
     try:
-        _sync_filesystems(filesystems.values())  # the links
+        _sync_filesystems(filesystems.values())  # the links (and, for verified objects, data)
     except OSError as error:
         for number, _, _ in staged:
             outcomes[number] = outcomes[number] or error
@@ -122,13 +148,13 @@ class BatchedCreates:
 
     def __init__(self, run_blocking: Callable[..., Any]) -> None:
         self.run_blocking = run_blocking
-        self.waiting: list[tuple[str, bytes, AsyncResult]] = []
+        self.waiting: list[tuple[Create, AsyncResult]] = []
         self.writing = False
 
-    def create(self, path: str, data: bytes) -> None:
+    def create(self, path: str, data: bytes, *, verified_on_load: bool = False) -> None:
         """Create one object durably; `FileExistsError` if `path` exists."""
         done = AsyncResult()
-        self.waiting.append((path, data, done))
+        self.waiting.append((Create(path, data, verified_on_load), done))
         if not self.writing:
             self.writing = True
             self._write_and_hand_on()
@@ -146,15 +172,15 @@ class BatchedCreates:
     def _write_batch(self) -> None:
         batch, self.waiting = self.waiting, []
         try:
-            outcomes = self.run_blocking(create_many, [(path, data) for path, data, _ in batch])
+            outcomes = self.run_blocking(create_many, [create for create, _ in batch])
         except Exception as error:  # not an OSError of one object: fail them all
             outcomes = [error] * len(batch)
         except BaseException:  # the writing greenlet was killed: its batch must not hang
             interrupted = OSError("a batch of creates was interrupted; its objects may exist")
-            for _, _, done in batch:
+            for _, done in batch:
                 done.set_exception(interrupted)
             raise
-        for (_, _, done), outcome in zip(batch, outcomes, strict=True):
+        for (_, done), outcome in zip(batch, outcomes, strict=True):
             if outcome is None:
                 done.set(None)
             else:
@@ -217,6 +243,23 @@ def make_durable_directories(directory: str) -> None:
     except FileExistsError:
         return
     fsync_directory(parent)
+
+
+def sync_published(directory: str) -> None:
+    """Make durable an object another process published in `directory`, before serving it.
+
+    Its data may not be on disk yet (`publish_then_sync`): a syncfs writes it and the
+    link. Without syncfs every create synced its data before the link, and syncing the
+    directory is enough.
+    """
+    if not CAN_SYNC_FILESYSTEM:
+        fsync_directory(directory)
+        return
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        _sync_filesystems([descriptor])
+    finally:
+        os.close(descriptor)
 
 
 def fsync_directory(directory: str) -> None:

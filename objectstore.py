@@ -147,15 +147,22 @@ class ObjectStore:
 
     # -- writes ---------------------------------------------------------------------
 
-    def create(self, key: str, data: bytes) -> None:
+    def create(self, key: str, data: bytes, *, verified_on_load: bool = False) -> None:
         """Write a new object; `FileExistsError` if the key already exists.
 
         When this returns the object is durable: synced with its directory on local
         disk (fsyncs, or a batch's syncfs calls), acknowledged by the object store
-        otherwise.
+        otherwise. `verified_on_load` says its loader checks it whole and drops it
+        when torn: on local disk it may then be published before its data is synced
+        (localdisk.py), and readers take it in through `make_durable`.
         """
         if self._batched_creates is not None:
-            self._guarded(self._batched_creates.create, self.path(key), data)
+            self._guarded(
+                self._batched_creates.create,
+                self.path(key),
+                data,
+                verified_on_load=verified_on_load,
+            )
         elif self.is_local:
             # fsync blocks for a while: off the event loop, writes to many streams overlap.
             self._guarded(run_in_threadpool, localdisk.create_durably, self.path(key), data)
@@ -272,13 +279,13 @@ class ObjectStore:
         """Make sure an object that exists survives a crash of this machine.
 
         On local disk another process may have linked it into place but not yet synced
-        its directory (localdisk.py does that after the link): a reader that served it
-        then could see it taken back by a crash, and its offsets reused. Syncing the
-        directory makes the entry stay. Elsewhere an object is durable once it exists.
+        it (localdisk.py syncs after the link): a reader that served it then could see
+        it taken back by a crash, and its offsets reused. Elsewhere an object is
+        durable once it exists.
         """
         if self.is_local:
             directory = os.path.dirname(self.path(key))
-            self._guarded(run_in_threadpool, localdisk.fsync_directory, directory)
+            self._guarded(run_in_threadpool, localdisk.sync_published, directory)
 
     def make_directory(self, prefix: str) -> None:
         """On local disk, the directory for objects under `prefix`, before the first one.

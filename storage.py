@@ -1126,7 +1126,7 @@ class StreamStore:
         key = stream.segment_key(start)
         stream.creating = start
         try:
-            self.objects.create(key, data)
+            self.objects.create(key, data, verified_on_load=True)
         except FileExistsError:
             if self._read_piece(key, whole=True)[0].token != token:
                 raise

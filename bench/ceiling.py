@@ -21,11 +21,13 @@
    First of all, the trivial app answers one POST at a time on one connection: an HTTP
    round trip alone.
 2. Durability. Durable create-only writes of a 200-byte object as PicoMQ's local
-   store makes them. One at a time (`localdisk.create_durably`: temporary file,
-   fsync, link, directory fsync), then the same steps with each fsync timed alone,
-   then from 64 concurrent callers over 1,000 directories, batched as PicoMQ batches
-   them (`localdisk.BatchedCreates`: two syncfs calls per batch), with the CPU time
-   each costs. These run on the server core, where PicoMQ's worker makes them.
+   store makes them. One at a time as it creates metadata (`localdisk.create_durably`:
+   temporary file, fsync, link, directory fsync), then the same steps with each fsync
+   timed alone, then one at a time as it creates segments (`localdisk.publish_then_sync`:
+   temporary file, link, one syncfs), then segments from 64 concurrent callers over
+   1,000 directories, batched as PicoMQ batches them (`localdisk.BatchedCreates`: one
+   syncfs per batch of segments), with the CPU time each costs. These run on the
+   server core, where PicoMQ's worker makes them.
 3. Live latency. compare.py's live loads send one event at a time with a pause between
    them, so the server's caches are cold at every event. The bare callable and the
    trivial app take one POST at a time with that pause: the round trip those loads
@@ -65,7 +67,12 @@ from compare import MAX_DURATION_SECONDS, RESULTS_DIR, describe_run, evict_from_
 from loads import Options, Result, Target, percentile
 
 sys.path.insert(0, str(servers.REPO_DIR))
-from localdisk import BatchedCreates, create_durably, fsync_directory  # noqa: E402
+from localdisk import (  # noqa: E402
+    BatchedCreates,
+    create_durably,
+    fsync_directory,
+    publish_then_sync,
+)
 from objectstore import run_in_threadpool  # noqa: E402
 from picomq import parse_json_payload  # noqa: E402
 
@@ -262,25 +269,33 @@ def measure_stack(
 def measure_durability(
     work_root: Path, arguments: argparse.Namespace, notes: list[str]
 ) -> dict[str, Figures]:
-    creates = time_sequential_creates(work_root / "sequential", arguments.creates)
+    creates = time_sequential_creates(work_root / "sequential", create_durably, arguments.creates)
     file_fsyncs, directory_fsyncs = time_fsyncs(work_root / "fsyncs", arguments.creates)
+    segments = time_sequential_creates(work_root / "segments", publish_then_sync, arguments.creates)
     parallel, elapsed, cpu_seconds = time_parallel_creates(
         work_root / "parallel", PARALLEL_CALLERS, arguments.parallel_seconds, notes
     )
-    for what, done in (("sequential creates", creates), ("fsyncs alone", file_fsyncs)):
+    for what, done in (
+        ("sequential creates", creates),
+        ("fsyncs alone", file_fsyncs),
+        ("sequential segment creates", segments),
+    ):
         if len(done) < arguments.creates:
             notes.append(f"{what}: {len(done)} of {arguments.creates} within the deadline")
     figures = {
         "create": latency_figures(creates),
         "file_fsync": latency_figures(file_fsyncs),
         "directory_fsync": latency_figures(directory_fsyncs),
+        "segment_create": latency_figures(segments),
         "parallel": latency_figures(parallel),
     }
-    figures["create"]["per_s"] = len(creates) / sum(creates) if creates else 0.0
+    for key, done in (("create", creates), ("segment_create", segments)):
+        figures[key]["per_s"] = len(done) / sum(done) if done else 0.0
     figures["parallel"]["per_s"] = len(parallel) / elapsed
     figures["parallel"]["cpu_ms"] = 1000 * cpu_seconds / len(parallel) if parallel else 0.0
     print(
-        f"durable create {figures['create']['p50_ms']:.2f} ms p50 one at a time · "
+        f"durable create {figures['create']['p50_ms']:.2f} ms p50 one at a time, "
+        f"segment {figures['segment_create']['p50_ms']:.2f} ms · "
         f"{figures['parallel']['per_s']:,.0f}/s batched from {PARALLEL_CALLERS} callers",
         flush=True,
     )
@@ -300,7 +315,9 @@ def time_json_parse(count: int) -> Figures:
     return figures
 
 
-def time_sequential_creates(directory: Path, count: int) -> list[float]:
+def time_sequential_creates(
+    directory: Path, create: Callable[[str, bytes], None], count: int
+) -> list[float]:
     """Seconds each durable create took, one after the other, in one existing directory."""
     directory.mkdir()
     latencies: list[float] = []
@@ -309,7 +326,7 @@ def time_sequential_creates(directory: Path, count: int) -> list[float]:
         if time.monotonic() > deadline:
             break
         started = time.perf_counter()
-        create_durably(f"{directory}/{number:08d}", OBJECT)
+        create(f"{directory}/{number:08d}", OBJECT)
         latencies.append(time.perf_counter() - started)
     return latencies
 
@@ -371,7 +388,7 @@ def time_parallel_creates(
             path = f"{directories[number % len(directories)]}/{number:08d}"
             began = time.perf_counter()
             try:
-                creates.create(path, OBJECT)
+                creates.create(path, OBJECT, verified_on_load=True)
             except OSError as error:
                 notes.append(f"parallel create failed: {error!r}")
                 return
@@ -491,7 +508,12 @@ def format_table(figures: dict[str, Figures], arguments: argparse.Namespace) -> 
         (f"(2) its file fsync alone, {one_at_a_time}", "file_fsync", latency),
         (f"(2) its directory fsync alone, {one_at_a_time}", "directory_fsync", latency),
         (
-            f"(2) batched durable creates from {PARALLEL_CALLERS} callers over "
+            f"(2) durable segment create (`publish_then_sync`), {one_at_a_time}",
+            "segment_create",
+            (*latency, ("per_s", "creates/s (1 ÷ mean)", "{:,.0f}")),
+        ),
+        (
+            f"(2) batched durable segment creates from {PARALLEL_CALLERS} callers over "
             f"{PARALLEL_DIRECTORIES:,} directories, {arguments.parallel_seconds:g} s",
             "parallel",
             (

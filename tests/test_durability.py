@@ -480,11 +480,23 @@ def torn_segment(position: int, how: str) -> bytes | None:
         "empty-next-segment": b"",
         "torn-in-header": whole[: header_end // 2],
         "torn-in-payload": whole[: header_end + len(payload) // 2],
+        # Linked before its data was synced (localdisk.publish_then_sync): the size
+        # may reach the disk without the blocks, which read back as zeros.
+        "payload-never-written": whole[:header_end] + bytes(len(payload)),
+        "all-zeros": bytes(len(whole)),
     }[how]
 
 
 @pytest.mark.parametrize(
-    "how", ["stray-temp-file-only", "empty-next-segment", "torn-in-header", "torn-in-payload"]
+    "how",
+    [
+        "stray-temp-file-only",
+        "empty-next-segment",
+        "torn-in-header",
+        "torn-in-payload",
+        "payload-never-written",
+        "all-zeros",
+    ],
 )
 def test_torn_tail_after_crash_is_dropped(
     start_server: StartServer, unique_stream: str, how: str

@@ -27,7 +27,7 @@ CREATORS = 40
 
 
 def counting(run: Callable[..., Any], batches: list[int]) -> Callable[..., Any]:
-    def run_and_count(function: Callable[..., Any], objects: list[tuple[str, bytes]]) -> Any:
+    def run_and_count(function: Callable[..., Any], objects: list[localdisk.Create]) -> Any:
         batches.append(len(objects))
         return run(function, objects)
 
@@ -61,9 +61,9 @@ def test_an_existing_object_fails_alone(tmp_path: Path) -> None:
     existing.parent.mkdir()
     existing.write_bytes(b"first")
     objects = [
-        (f"{tmp_path}/a/new", b"new in a"),
-        (str(existing), b"second"),
-        (f"{tmp_path}/b/new", b"new in b"),
+        localdisk.Create(f"{tmp_path}/a/new", b"new in a"),
+        localdisk.Create(str(existing), b"second"),
+        localdisk.Create(f"{tmp_path}/b/new", b"new in b"),
     ]
     outcomes = localdisk.create_many(objects)
     assert outcomes[0] is None and outcomes[2] is None
@@ -77,7 +77,10 @@ def test_an_existing_object_fails_alone(tmp_path: Path) -> None:
 def test_an_object_whose_directory_cannot_exist_fails_alone(tmp_path: Path) -> None:
     (tmp_path / "file").write_bytes(b"not a directory")
     outcomes = localdisk.create_many(
-        [(f"{tmp_path}/file/inside/object", b"lost"), (f"{tmp_path}/ok/object", b"kept")]
+        [
+            localdisk.Create(f"{tmp_path}/file/inside/object", b"lost"),
+            localdisk.Create(f"{tmp_path}/ok/object", b"kept"),
+        ]
     )
     assert isinstance(outcomes[0], NotADirectoryError)
     assert outcomes[1] is None
@@ -100,7 +103,10 @@ def test_a_directory_deleted_mid_batch_fails_only_its_own_object(
 
     monkeypatch.setattr(localdisk, "_write_temporary", deleting_the_first_directory)
     outcomes = localdisk.create_many(
-        [(f"{doomed}/segment", b"lost"), (f"{tmp_path}/live-stream/seg/segment", b"kept")]
+        [
+            localdisk.Create(f"{doomed}/segment", b"lost"),
+            localdisk.Create(f"{tmp_path}/live-stream/seg/segment", b"kept"),
+        ]
     )
     assert isinstance(outcomes[0], FileNotFoundError)
     assert outcomes[1] is None
@@ -111,7 +117,7 @@ def test_a_directory_deleted_mid_batch_fails_only_its_own_object(
 def test_creates_waiting_behind_a_killed_writer_are_still_written(tmp_path: Path) -> None:
     """The greenlet writing a batch is a request's; if it dies, the next batch goes on."""
 
-    def slow(function: Callable[..., Any], objects: list[tuple[str, bytes]]) -> Any:
+    def slow(function: Callable[..., Any], objects: list[localdisk.Create]) -> Any:
         gevent.sleep(0.2)
         return run_in_threadpool(function, objects)
 
@@ -134,3 +140,46 @@ def test_object_store_creates_are_create_only(tmp_path: Path) -> None:
         store.create("stream/segment", b"second")
     assert store.read("stream/segment") == b"first"
     assert os.listdir(tmp_path / "stream") == ["segment"]
+
+
+def record_syncs(monkeypatch: pytest.MonkeyPatch, paths: list[str]) -> list[list[bool]]:
+    """For each syncfs call made, which of `paths` were linked into place at that moment."""
+    sync, syncs = localdisk._sync_filesystems, []
+
+    def recording(descriptors: Any) -> None:
+        syncs.append([os.path.exists(path) for path in paths])
+        sync(descriptors)
+
+    monkeypatch.setattr(localdisk, "_sync_filesystems", recording)
+    return syncs
+
+
+@pytest.mark.parametrize("verified", [(True,), (True, True, True), (True, False, True)])
+def test_data_is_synced_before_its_link_unless_the_loader_verifies_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, verified: tuple[bool, ...]
+) -> None:
+    """Publishing data a crash may tear is safe only where loading checks it whole."""
+    paths = [f"{tmp_path}/stream{number}/segment" for number in range(len(verified))]
+    syncs = record_syncs(monkeypatch, paths)
+    objects = [
+        localdisk.Create(path, path.encode(), checked)
+        for path, checked in zip(paths, verified, strict=True)
+    ]
+    assert localdisk.create_many(objects) == [None] * len(objects)
+    linked = [True] * len(paths)
+    if all(verified):
+        assert syncs == [linked]  # one sync, after the links, for data and links alike
+    else:
+        assert syncs == [[False] * len(paths), linked]
+    assert [Path(path).read_bytes() for path in paths] == [path.encode() for path in paths]
+    assert not leftovers(tmp_path)
+
+
+def test_a_lone_object_the_loader_does_not_verify_takes_fsyncs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = f"{tmp_path}/stream/meta.json"
+    syncs = record_syncs(monkeypatch, [path])
+    assert localdisk.create_many([localdisk.Create(path, b"{}")]) == [None]
+    assert syncs == []
+    assert Path(path).read_bytes() == b"{}"

@@ -276,15 +276,15 @@ def reader_of_an_append_it_has_not_seen(storage_url: str, make_store: MakeStore)
 def test_another_stores_segment_is_made_durable_before_a_reader_takes_it_in(
     storage_url: str, make_store: MakeStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Its writer syncs the directory only after the link: a crash in between would take
-    back what a reader had served, if the reader did not sync the directory first."""
+    """Its writer syncs data and link only after the link: a crash in between would take
+    back what a reader had served, if the reader did not sync them first."""
     reader_store = reader_of_an_append_it_has_not_seen(storage_url, make_store)
     handle, synced = reader_store._streams["log"], []
 
-    def fsync_directory(directory: str) -> None:
+    def sync_published(directory: str) -> None:
         synced.append((directory, handle.state.tail))
 
-    monkeypatch.setattr(localdisk, "fsync_directory", fsync_directory)
+    monkeypatch.setattr(localdisk, "sync_published", sync_published)
     assert read_all(reader_store, "log") == b"01"
     segments = os.path.dirname(reader_store.objects.path(handle.segment_key(1)))
     assert synced == [(segments, 1)]  # synced while the reader's tail was still 1
@@ -293,13 +293,13 @@ def test_another_stores_segment_is_made_durable_before_a_reader_takes_it_in(
 def test_a_segment_that_cannot_be_made_durable_is_not_served(
     storage_url: str, make_store: MakeStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A failing directory sync is storage failing: serve what is known, claim no more."""
+    """A failing sync is storage failing: serve what is known, claim no more."""
     reader_store = reader_of_an_append_it_has_not_seen(storage_url, make_store)
 
     def failing_sync(directory: str) -> None:
         raise OSError(errno.EIO, "input/output error", directory)
 
-    monkeypatch.setattr(localdisk, "fsync_directory", failing_sync)
+    monkeypatch.setattr(localdisk, "sync_published", failing_sync)
     result = reader_store.read("log", 0)
     assert (b"".join(result.chunks), result.up_to_date) == (b"0", False)
 
@@ -485,13 +485,13 @@ def around(
     acting in between."""
     original = getattr(store.objects, method)
 
-    def call(wanted: str, *arguments: object) -> object:
+    def call(wanted: str, *arguments: object, **options: object) -> object:
         if not wanted.startswith(key) or (whole and arguments):
-            return original(wanted, *arguments)
+            return original(wanted, *arguments, **options)
         setattr(store.objects, method, original)
         before()
         try:
-            return original(wanted, *arguments)
+            return original(wanted, *arguments, **options)
         finally:
             after()
 
@@ -951,8 +951,8 @@ def test_a_writer_whose_segment_a_refresh_read_past_keeps_the_further_tail(
     handle, create = ours._streams["log"], ours.objects.create
     landed, release = Event(), Event()
 
-    def creating(key: str, data: bytes) -> None:
-        create(key, data)
+    def creating(key: str, data: bytes, **options: bool) -> None:
+        create(key, data, **options)
         landed.set()
         release.wait()  # the segment is in storage; our writer has not heard yet
 
@@ -1082,9 +1082,9 @@ def test_a_writer_names_the_segment_it_is_creating_while_it_does(make_store: Mak
     store.create("live", CreateRequest(TEXT, payload=Payload(b"0")))
     handle, create, seen = store._streams["live"], store.objects.create, []
 
-    def creating(key: str, data: bytes) -> None:
+    def creating(key: str, data: bytes, **options: bool) -> None:
         seen.append(handle.creating)
-        create(key, data)
+        create(key, data, **options)
 
     store.objects.create = creating  # type: ignore[method-assign]
     append_text(store, "live", b"1")
