@@ -145,7 +145,7 @@ def get_metrics() -> Metrics:
         ),
         commit_batch_size=Histogram(
             "commit_batch_size",
-            "Appends committed together by one group commit (one segment: one fsync or PUT).",
+            "Appends committed together by one group commit (one segment: one sync or PUT).",
             buckets=BATCH_BUCKETS,
             **where,
         ),
