@@ -59,6 +59,7 @@ class Follower:
     """A subscriber parked at the tail, and what the broadcaster did for it."""
 
     writer: DirectWriter
+    incarnation: str  # of the stream it follows: events never come from another
     offset: int
     cursor: str
     base64_data: bool
@@ -72,6 +73,7 @@ class Follower:
 
 @dataclass(eq=False, slots=True)
 class _Broadcast:
+    incarnation: str  # the stream's: a broadcast ends with it
     offset: int  # where every follower is
     followers: dict[Follower, None] = field(default_factory=dict)  # insertion-ordered set
 
@@ -97,13 +99,14 @@ class Fanout:
         """Park `follower` with the stream's broadcaster until handed back or `timeout`.
 
         False, at once, if the broadcaster is elsewhere in the stream (it moved on while
-        this subscriber wrote its last event): the subscriber catches up by itself.
+        this subscriber wrote its last event) or on another incarnation of it (one
+        deleted, whose broadcaster has not ended yet): the subscriber goes on by itself.
         """
         broadcast = self._broadcasts.get(path)
         if broadcast is None:
-            broadcast = self._broadcasts[path] = _Broadcast(follower.offset)
+            broadcast = self._broadcasts[path] = _Broadcast(follower.incarnation, follower.offset)
             gevent.spawn(self._broadcast, path, broadcast)
-        if broadcast.offset != follower.offset:
+        if (broadcast.incarnation, broadcast.offset) != (follower.incarnation, follower.offset):
             return False
         broadcast.followers[follower] = None
         time_up = functools.partial(_time_up, broadcast, follower)
@@ -117,7 +120,9 @@ class Fanout:
     def _broadcast(self, path: str, broadcast: _Broadcast) -> None:
         try:
             while broadcast.followers:
-                info = self._store.wait(path, broadcast.offset, self._wait_seconds)
+                info = self._store.wait(
+                    path, broadcast.offset, self._wait_seconds, incarnation=broadcast.incarnation
+                )
                 if info.tail > broadcast.offset or info.closed:
                     self._deliver(path, info, broadcast)
                     if info.closed and broadcast.offset == info.tail:

@@ -187,6 +187,11 @@ def parse_offset(text: str) -> int:
     return int(match.group(1))
 
 
+def parse_start_offset(text: str | None) -> int | None:
+    """A read's offset; -1 (or none) is the start: None."""
+    return None if text in (None, "-1") else parse_offset(text)
+
+
 def parse_stream_path(path: str) -> str:
     """Accept only paths that cannot escape the namespace or the data directory."""
     segments = path.split("/")
@@ -681,13 +686,17 @@ class StreamViews:
             self.live_connections.release()  # no response will be closed to release it
             raise
 
-    def resolve_offset(self, path: str, offset_text: str | None) -> int | None:
-        """-1 (or none) is the start; 'now' is the current tail, read at request time."""
-        if offset_text in (None, "-1"):
-            return None
+    def start_of_live_read(self, path: str, offset_text: str) -> tuple[int, str | None]:
+        """Where a live read starts, and the incarnation it must stay on, if known.
+
+        'now' is the tail of the stream as it is at request time; the read then keeps
+        to that stream, so one deleted and created again meanwhile is a 404, never a
+        400 for an offset past the new one's end or bytes of the new one.
+        """
         if offset_text == "now":
-            return self.store.touch(path).tail
-        return parse_offset(offset_text)
+            info = self.store.touch(path)
+            return info.tail, info.incarnation
+        return parse_start_offset(offset_text) or 0, None
 
     def catch_up(self, path: str, offset_text: str | None) -> Response:
         if offset_text == "now":
@@ -695,7 +704,7 @@ class StreamViews:
             headers = stream_headers(info)
             headers.update({UP_TO_DATE: "true", "Cache-Control": NO_STORE})
             return Response(empty_body(info), 200, headers)
-        result = self.store.read(path, self.resolve_offset(path, offset_text))
+        result = self.store.read(path, parse_start_offset(offset_text))
         return self.read_response(result)
 
     def read_response(self, result: ReadResult, extra: dict[str, str] | None = None) -> Response:
@@ -712,25 +721,28 @@ class StreamViews:
         return Response(result.chunks, 200, headers)
 
     def long_poll(self, path: str, offset_text: str) -> Response:
-        offset = self.resolve_offset(path, offset_text)
-        position = offset or 0
+        position, incarnation = self.start_of_live_read(path, offset_text)
         cursor = {CURSOR: next_cursor(request.args.get("cursor"))}
-        info = self.store.wait(path, position, self.settings.long_poll_timeout)
+        timeout = self.settings.long_poll_timeout
+        info = self.store.wait(path, position, timeout, incarnation=incarnation)
         if info.tail > position:
-            return self.read_response(self.store.read(path, position), cursor)
+            result = self.store.read(path, position, incarnation=info.incarnation)
+            return self.read_response(result, cursor)
         headers = stream_headers(info)
         headers.update({UP_TO_DATE: "true", "Cache-Control": NO_STORE, **cursor})
         return Response(status=204, headers=headers)
 
     def sse(self, path: str, offset_text: str) -> Response:
-        offset = self.resolve_offset(path, offset_text) or 0
-        info = self.store.read(path, offset).info  # a bad offset is a 400, before the 200
+        offset, incarnation = self.start_of_live_read(path, offset_text)
+        # A bad offset is a 400, before the 200.
+        info = self.store.read(path, offset, incarnation=incarnation).info
         headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         if not is_json_type(info.content_type) and not info.content_type.startswith("text/"):
             headers[SSE_DATA_ENCODING] = "base64"
         cursor = request.args.get("cursor")
         writer = request.environ.get(DIRECT_WRITER_ENVIRON_KEY)
-        events = self.sse_events(path, offset, cursor, SSE_DATA_ENCODING in headers, writer)
+        base64_data = SSE_DATA_ENCODING in headers
+        events = self.sse_events(path, info.incarnation, offset, cursor, base64_data, writer)
         return EventStreamResponse(events, 200, headers)
 
     def sse_event(
@@ -749,7 +761,7 @@ class StreamViews:
             return int.from_bytes(cached[:8], "big"), cached[8:]
         end, data_event = offset, b""
         if info.tail > offset:
-            result = self.store.read(path, offset)
+            result = self.store.read(path, offset, incarnation=info.incarnation)
             end, data_event = result.end, format_data_event(b"".join(result.chunks), base64_data)
         # One write per pair: a reader never sees a data event without its control.
         event = data_event + format_control_event(info, end, cursor)
@@ -759,6 +771,7 @@ class StreamViews:
     def sse_events(
         self,
         path: str,
+        incarnation: str,
         offset: int,
         client_cursor: str | None,
         base64_data: bool,
@@ -768,13 +781,15 @@ class StreamViews:
 
         At the tail, with a server that offers its connection (`writer`), the stream's
         broadcaster writes the events (fanout.py) until it hands the connection back.
+        The events come from one incarnation of the stream: when it is deleted the
+        response ends, even if a new stream is created at the path.
         """
         deadline = time.monotonic() + self.settings.sse_max_duration
         timeout = 0.0  # the first pass answers at once: history, or where the tail is
         cursor = next_cursor(client_cursor)
         try:
             while True:
-                info = self.store.wait(path, offset, timeout)
+                info = self.store.wait(path, offset, timeout, incarnation=incarnation)
                 cursor = advanced_cursor(cursor)
                 offset, event = self.sse_event(path, info, offset, cursor, base64_data)
                 yield event
@@ -783,7 +798,9 @@ class StreamViews:
                 timeout = min(self.settings.long_poll_timeout, deadline - time.monotonic())
                 if writer is None or offset != info.tail:
                     continue
-                follower = Follower(writer, offset, cursor, base64_data, writer.chunked)
+                follower = Follower(
+                    writer, incarnation, offset, cursor, base64_data, writer.chunked
+                )
                 if not self.fanout.follow(path, follower, timeout):
                     continue
                 if follower.failed:

@@ -353,6 +353,7 @@ class _Stream:
     refreshed_at: float = 0.0  # when the tail was last known to be the true one
     last_info: StreamInfo | None = None
     gone: bool = False
+    erased: bool = False  # deleted through this handle: its waiters must not wait on
 
     @functools.cached_property
     def prefix(self) -> str:
@@ -437,6 +438,12 @@ class _Plan:
     writes: bool = False
 
 
+def _end_waits(stream: _Stream) -> None:
+    """Wake a deleted stream's waiters for good: no data will come to this handle."""
+    stream.erased = True
+    stream.notify()
+
+
 def _meta_key(path: str) -> str:
     return f"streams/{stream_key(path)}/meta.json"
 
@@ -459,13 +466,25 @@ class StreamStore:
 
     # -- opening, caching, expiry -----------------------------------------------------
 
-    def _open(self, path: str, *, touch: bool = False, max_age: float = 0.0) -> _Stream:
+    def _open(
+        self,
+        path: str,
+        *,
+        touch: bool = False,
+        max_age: float = 0.0,
+        incarnation: str | None = None,
+    ) -> _Stream:
         """The live handle of a stream, checked against storage (the only truth).
 
         `max_age` lets a caller accept a handle checked that long ago, when it would
         not learn of other processes' changes any sooner by checking now.
+        `incarnation` is the stream a live read began on: if the path now names
+        another (deleted and created again), the one it followed is gone, and its
+        offsets say nothing about the new one's bytes.
         """
         stream = self._checked_handle(path, max_age)
+        if incarnation is not None and stream.config.incarnation != incarnation:
+            raise StreamNotFound(f"stream {path} was deleted")
         if stream.gone:
             raise StreamGone(f"stream {path} was deleted")
         if self._expired(stream):
@@ -1209,9 +1228,19 @@ class StreamStore:
         self._refresh(stream)
         return stream.info()
 
-    def read(self, path: str, offset: int | None, max_bytes: int | None = None) -> ReadResult:
-        """Up to `max_bytes` from `offset` (None: the start), ending on a message boundary."""
-        stream = self._open(path, touch=True)
+    def read(
+        self,
+        path: str,
+        offset: int | None,
+        max_bytes: int | None = None,
+        *,
+        incarnation: str | None = None,
+    ) -> ReadResult:
+        """Up to `max_bytes` from `offset` (None: the start), ending on a message boundary.
+
+        `incarnation`: read only from that incarnation of the stream (see `_open`).
+        """
+        stream = self._open(path, touch=True, incarnation=incarnation)
         most = max_bytes or self.settings.max_read_bytes
         current = True
         if _read_start(stream, offset) + most >= stream.state.tail:
@@ -1247,17 +1276,21 @@ class StreamStore:
         end = self._message_end_before(stream, start, limit) if stream.is_json else limit
         return end, self._slices(stream, start, end)
 
-    def wait(self, path: str, offset: int, timeout: float) -> StreamInfo:
+    def wait(
+        self, path: str, offset: int, timeout: float, *, incarnation: str | None = None
+    ) -> StreamInfo:
         """Return once the stream has data past `offset`, is closed, or `timeout` passed.
 
         A waiter learns of other processes' appends by looking for the next segment
         (`_poll`), so a handle checked, or a tail confirmed, within `poll_interval` is
         taken as it is: an SSE subscriber back for the next event costs no storage
         request, which is what lets one worker follow a stream with thousands of
-        subscribers.
+        subscribers. A stream deleted in this process ends its waits (StreamNotFound;
+        StreamGone while forks keep it); one deleted by another process shows at the
+        next wait, through `incarnation` (see `_open`).
         """
         poll_interval = self.settings.poll_interval
-        stream = self._open(path, touch=True, max_age=poll_interval)
+        stream = self._open(path, touch=True, max_age=poll_interval, incarnation=incarnation)
         if offset > stream.state.tail:
             self._refresh(stream)  # must know the true tail to call the offset invalid
         elif offset == stream.state.tail and not self._tail_confirmed(stream, poll_interval):
@@ -1276,6 +1309,10 @@ class StreamStore:
                     stream.polling = True
                     gevent.spawn(self._poll, stream)
                 stream.wakeups.wait(deadline)
+                if stream.gone:
+                    raise StreamGone(f"stream {path} was deleted")
+                if stream.erased:
+                    raise StreamNotFound(f"stream {path} was deleted")
         finally:
             stream.waiters -= 1
         return stream.info()
@@ -1517,6 +1554,7 @@ class StreamStore:
         if self._has_forks(stream):
             self._mark_stream(stream, "gone")
             stream.gone = True
+            stream.notify()  # its waiters end: a soft-deleted stream takes no appends
             if self._has_forks(stream):
                 return True
             self._erase_if_there(stream)  # the last fork, going, may have erased it first
@@ -1600,14 +1638,15 @@ class StreamStore:
         config = stream.config
         if self._streams.get(config.path) is stream:
             del self._streams[config.path]
-        stream.notify()
         try:
             current = StreamConfig.from_json(self.objects.read(_meta_key(config.path)))
             if current.incarnation != config.incarnation:
                 raise FileNotFoundError(config.path)
             self.objects.delete(_meta_key(config.path))
         except FileNotFoundError as error:
+            _end_waits(stream)  # erased by another request first
             raise StreamNotFound(f"stream {config.path} not found") from error
+        _end_waits(stream)
         self._remove_leftovers(stream)
         if stream.source is not None:
             self._release_source(stream.source, config)

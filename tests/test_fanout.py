@@ -16,6 +16,7 @@ import uuid
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
+import pytest
 import requests
 from test_http import TEXT, append, close, create, parse_sse
 
@@ -177,7 +178,13 @@ def test_an_idle_subscriber_gets_a_control_event_each_timeout_then_the_next_data
     assert [control["streamNextOffset"] for control in controls].count(start) >= 4, controls
 
 
-def test_deleting_the_stream_ends_every_parked_subscriber(server: Server) -> None:
+@pytest.mark.parametrize("created_again", [False, True], ids=["deleted", "created again"])
+def test_deleting_the_stream_ends_every_parked_subscriber(
+    server: Server, created_again: bool
+) -> None:
+    """Created again, longer, at the same path, the stream is a new one: the old one's
+    subscribers end with its data, never the new one's bytes from the old offset on
+    (which they were once sent, after a long-poll timeout)."""
     path = f"fanout/{uuid.uuid4().hex}"
     url = server.stream_url(path)
     create(url, TEXT)
@@ -185,7 +192,15 @@ def test_deleting_the_stream_ends_every_parked_subscriber(server: Server) -> Non
     subscribers = [Subscriber(server, path, http10=index % 2 == 0) for index in range(6)]
     time.sleep(0.2)  # at the tail, parked with the broadcaster
     requests.delete(url).raise_for_status()
+    if created_again:
+        create(url, TEXT)
+        append(url, b"the stream created after the delete\n", TEXT)
+        time.sleep(4 * LONG_POLL_TIMEOUT_SECONDS)  # each subscriber's wait ends at least once
+        close(url)  # so that a subscriber gone on into the new stream would end too
     for subscriber in subscribers:
         data, controls = data_and_controls(subscriber.result())
         assert data == "before\n"
         assert not any(control.get("streamClosed") for control in controls)
+        assert {control["streamNextOffset"] for control in controls} == {
+            controls[0]["streamNextOffset"]
+        }

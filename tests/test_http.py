@@ -7,6 +7,7 @@ caching headers, CORS, long-poll and SSE details, forks, delete/re-create and TT
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import json
 import os
 import time
@@ -394,6 +395,28 @@ def test_delete_then_recreate_serves_only_the_new_data(server: Server, unique_st
     assert response.content == b"new"
     assert response.headers["Content-Type"] == "application/octet-stream"
     assert response.headers["ETag"] != old_etag
+
+
+@pytest.mark.parametrize("offset", ["tail", "now"])
+def test_a_long_poll_on_a_stream_deleted_meanwhile_answers_404(
+    start_server: StartServer, offset: str
+) -> None:
+    """One worker, so the DELETE reaches the process where the long-poll waits: the wait
+    ends then with a 404, not with a 204 after its timeout (30 s here)."""
+    server = start_server(workers=1, long_poll_timeout=30)
+    url = server.stream_url("deleted-while-polled")
+    create(url, TEXT)
+    tail = append(url, b"old data", TEXT)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        params = {"offset": tail if offset == "tail" else "now", "live": "long-poll"}
+        polling = pool.submit(requests.get, url, params=params, timeout=60)
+        time.sleep(0.3)  # the long-poll is waiting
+        assert requests.delete(url).status_code == 204
+        create(url, TEXT)
+        append(url, b"the new stream, longer", TEXT)
+        response = polling.result()
+    assert response.status_code == 404, response.content
+    assert response.json()["error"]["message"].endswith("was deleted")
 
 
 def test_expired_streams_are_swept_without_being_touched(

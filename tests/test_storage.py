@@ -1036,6 +1036,43 @@ def test_a_waiting_reader_sees_another_stores_append(make_store: MakeStore) -> N
     assert read_all(reader_store, "live", 1) == b"1"
 
 
+@pytest.mark.parametrize("forked", [False, True], ids=["deleted", "soft-deleted"])
+def test_a_wait_on_a_stream_deleted_in_this_store_ends_at_once(
+    make_store: MakeStore, forked: bool
+) -> None:
+    """No data can come to a deleted stream: its waiters end (404, or 410 while a fork
+    still reads it) instead of waiting out their timeout on it."""
+    store = make_store()
+    store.create("live", CreateRequest(TEXT, payload=Payload(b"0")))
+    if forked:
+        store.create("fork", CreateRequest("", fork_source="live"))
+    waiting = gevent.spawn(store.wait, "live", 1, WAIT_TIMEOUT_SECONDS)
+    gevent.sleep(2 * POLL_INTERVAL)
+    assert not waiting.ready()
+    store.delete("live")
+    waiting.join(timeout=WAIT_TIMEOUT_SECONDS / 2)
+    assert waiting.ready(), "the wait went on after its stream was deleted"
+    assert isinstance(waiting.exception, StreamGone if forked else StreamNotFound)
+
+
+def test_a_live_read_never_goes_on_in_the_stream_created_after_its_own_was_deleted(
+    make_store: MakeStore,
+) -> None:
+    """Another node deletes the stream a reader follows and creates a longer one at its
+    path: the reader's offsets say nothing about the new stream's bytes (404)."""
+    reader_store, other_store = make_store(), make_store()
+    reader_store.create("live", CreateRequest(TEXT, payload=Payload(b"old")))
+    followed = reader_store.head("live").incarnation
+    other_store.delete("live")
+    other_store.create("live", CreateRequest(TEXT, payload=Payload(b"the new stream")))
+    gevent.sleep(2 * POLL_INTERVAL)  # a wait takes a handle checked within the interval
+    with pytest.raises(StreamNotFound):
+        reader_store.wait("live", 3, WAIT_TIMEOUT_SECONDS, incarnation=followed)
+    with pytest.raises(StreamNotFound):
+        reader_store.read("live", 3, incarnation=followed)
+    assert read_all(reader_store, "live", 3) == b" new stream"  # an offset alone: its bytes
+
+
 @NEEDS_INOTIFY
 @pytest.mark.parametrize("initial", [b"0", b""], ids=["with data", "created empty"])
 def test_on_local_disk_a_watch_wakes_a_reader_of_another_stores_append(
