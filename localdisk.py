@@ -214,9 +214,13 @@ def _link_into_place(temporary: str, path: str) -> None:
 
 def _sync_filesystems(descriptors: Iterable[int]) -> None:
     for descriptor in descriptors:
-        if _SYNCFS(descriptor) != 0:
-            number = ctypes.get_errno()
-            raise OSError(number, os.strerror(number))
+        _sync_filesystem(descriptor)
+
+
+def _sync_filesystem(descriptor: int) -> None:
+    if _SYNCFS(descriptor) != 0:
+        number = ctypes.get_errno()
+        raise OSError(number, os.strerror(number))
 
 
 def _remove_quietly(path: str) -> None:
@@ -252,19 +256,17 @@ def sync_published(directory: str) -> None:
     link. Without syncfs every create synced its data before the link, and syncing the
     directory is enough.
     """
-    if not CAN_SYNC_FILESYSTEM:
-        fsync_directory(directory)
-        return
-    descriptor = os.open(directory, os.O_RDONLY)
-    try:
-        _sync_filesystems([descriptor])
-    finally:
-        os.close(descriptor)
+    _sync_through(directory, _sync_filesystem if CAN_SYNC_FILESYSTEM else os.fsync)
 
 
 def fsync_directory(directory: str) -> None:
+    _sync_through(directory, os.fsync)
+
+
+def _sync_through(directory: str, sync: Callable[[int], None]) -> None:
+    """Call `sync` on a descriptor of `directory`, opened for it alone."""
     descriptor = os.open(directory, os.O_RDONLY)
     try:
-        os.fsync(descriptor)
+        sync(descriptor)
     finally:
         os.close(descriptor)

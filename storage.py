@@ -438,6 +438,14 @@ class _Plan:
     writes: bool = False
 
 
+def _raise_if_retired(stream: _Stream) -> None:
+    """What a handle deleted (410 while forks read it, else 404) answers from now on."""
+    if stream.gone:
+        raise StreamGone(f"stream {stream.config.path} was deleted")
+    if stream.erased:
+        raise StreamNotFound(f"stream {stream.config.path} was deleted")
+
+
 def _end_waits(stream: _Stream) -> None:
     """Wake a deleted stream's waiters for good: no data will come to this handle."""
     stream.erased = True
@@ -485,8 +493,7 @@ class StreamStore:
         stream = self._checked_handle(path, max_age)
         if incarnation is not None and stream.config.incarnation != incarnation:
             raise StreamNotFound(f"stream {path} was deleted")
-        if stream.gone:
-            raise StreamGone(f"stream {path} was deleted")
+        _raise_if_retired(stream)
         if self._expired(stream):
             if self._retire(stream):
                 raise StreamGone(f"stream {path} expired while forks still read it")
@@ -1309,10 +1316,7 @@ class StreamStore:
                     stream.polling = True
                     gevent.spawn(self._poll, stream)
                 stream.wakeups.wait(deadline)
-                if stream.gone:
-                    raise StreamGone(f"stream {path} was deleted")
-                if stream.erased:
-                    raise StreamNotFound(f"stream {path} was deleted")
+                _raise_if_retired(stream)
         finally:
             stream.waiters -= 1
         return stream.info()
