@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,8 @@ def leftovers(root: Path) -> list[Path]:
 
 def test_concurrent_creates_share_batches(tmp_path: Path) -> None:
     batches: list[int] = []
-    creates = localdisk.BatchedCreates(counting(run_in_threadpool, batches))
+    creates = localdisk.BatchedCreates(counting(run_in_threadpool, batches), idle_seconds=60)
+    creates.create(f"{tmp_path}/before", b"")  # on this thread; the process is busy from now
     paths = [f"{tmp_path}/stream{number}/segment" for number in range(CREATORS)]
     greenlets = [
         gevent.spawn(creates.create, path, f"object {number}".encode())
@@ -131,6 +133,29 @@ def test_creates_waiting_behind_a_killed_writer_are_still_written(tmp_path: Path
     assert waiting.successful(), f"the waiting create did not finish: {waiting.exception}"
     assert (tmp_path / "second").read_bytes() == b"2"
     assert not creates.writing
+
+
+def test_only_a_create_that_finds_the_process_idle_skips_the_thread_pool(tmp_path: Path) -> None:
+    """The trip to the pool and back is saved only where no one could use the event loop
+    meanwhile: not right after another batch, nor after the process was busy."""
+    idle_seconds = 0.05
+    batches: list[int] = []
+    creates = localdisk.BatchedCreates(counting(run_in_threadpool, batches), idle_seconds)
+    creates.create(f"{tmp_path}/first", b"1")  # nothing before it: on this thread
+    creates.create(f"{tmp_path}/right-after", b"2")
+    assert batches == [1]
+    time.sleep(2 * idle_seconds)
+    creates.create(f"{tmp_path}/after-a-pause", b"3")
+    assert batches == [1]
+    wall, cpu = time.monotonic(), time.process_time()
+    while time.process_time() - cpu < 2 * idle_seconds:
+        pass  # the process busy, as under load
+    if time.process_time() - cpu < localdisk.BUSY_FRACTION * (time.monotonic() - wall):
+        pytest.skip("this machine gave the test process too little of a core to be busy")
+    creates.create(f"{tmp_path}/after-busy", b"4")
+    assert batches == [1, 1]
+    names = ["first", "right-after", "after-a-pause", "after-busy"]
+    assert [(tmp_path / name).read_bytes() for name in names] == [b"1", b"2", b"3", b"4"]
 
 
 def test_object_store_creates_are_create_only(tmp_path: Path) -> None:
