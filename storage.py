@@ -83,6 +83,7 @@ OFFSET_DIGITS = 20
 MAX_KEY_LENGTH = 200
 STREAM_KEYS_REMEMBERED = 1024  # a request line caps a path at 8 KiB: 8 MiB at most
 CONTENTION_LIMIT_SECONDS = 5.0
+INTERRUPTED_APPEND = "the append was interrupted; it may have been written"
 SEGMENT_INDEXES_KEPT = 1024  # per stream; a few hundred bytes each
 # A fork being created marks its source, then writes its meta.json within
 # FORK_SETUP_SECONDS or gives up. Until a marker is FORK_MARKER_SECONDS old, a delete
@@ -444,6 +445,12 @@ def _raise_if_retired(stream: _Stream) -> None:
         raise StreamGone(f"stream {stream.config.path} was deleted")
     if stream.erased:
         raise StreamNotFound(f"stream {stream.config.path} was deleted")
+
+
+def _fail_unanswered(batch: list[_Pending], error: Exception) -> None:
+    for pending in batch:
+        if not pending.result.ready():
+            pending.result.set_exception(error)
 
 
 def _end_waits(stream: _Stream) -> None:
@@ -1064,31 +1071,44 @@ class StreamStore:
     # -- append ----------------------------------------------------------------------------
 
     def append(self, path: str, request: AppendRequest) -> AppendResult:
-        """Queue an append for the stream's writer and wait until it is durable."""
+        """Queue an append for the stream's writer and wait until it is durable.
+
+        An append that finds the stream without a writer commits its batch itself: a
+        writer greenlet of its own cost every lone append a turn of the event loop
+        (0.05 ms of a live event). Appends queued meanwhile get a writer greenlet.
+        """
         stream = self._open(path, touch=True)
         pending = _Pending(request)
         stream.pending.append(pending)
         if not stream.writing:
             stream.writing = True
-            gevent.spawn(self._write_pending, stream)
+            self._write_and_hand_on(stream)
+            if stream.waiters:
+                gevent.sleep(0)  # the live readers just woken send their event first
         return pending.result.get()
 
-    def _write_pending(self, stream: _Stream) -> None:
+    def _write_and_hand_on(self, stream: _Stream) -> None:
         try:
-            while stream.pending:
-                if self.settings.linger_fraction:
-                    # Let the writers just answered send their next append: one batch
-                    # instead of two cohorts taking turns (object stores bill per PUT).
-                    gevent.sleep(min(self.settings.linger_fraction * stream.write_seconds, 0.05))
-                batch, stream.pending = stream.pending, []
-                try:
-                    self._commit(stream, batch)
-                except Exception as error:  # storage failed: nothing in the batch is acknowledged
-                    for pending in batch:
-                        if not pending.result.ready():
-                            pending.result.set_exception(error)
+            self._write_batch(stream)
         finally:
-            stream.writing = False
+            if stream.pending:
+                gevent.spawn(self._write_and_hand_on, stream)
+            else:
+                stream.writing = False
+
+    def _write_batch(self, stream: _Stream) -> None:
+        if self.settings.linger_fraction:
+            # Let the writers just answered send their next append: one batch instead
+            # of two cohorts taking turns (object stores bill per PUT).
+            gevent.sleep(min(self.settings.linger_fraction * stream.write_seconds, 0.05))
+        batch, stream.pending = stream.pending, []
+        try:
+            self._commit(stream, batch)
+        except Exception as error:  # storage failed: nothing in the batch is acknowledged
+            _fail_unanswered(batch, error)
+        except BaseException:  # the appender committing was killed: the others must not hang
+            _fail_unanswered(batch, StorageUnavailable(INTERRUPTED_APPEND))
+            raise
 
     def _commit(self, stream: _Stream, batch: list[_Pending]) -> None:
         """Validate, write one segment, and answer: the group commit."""

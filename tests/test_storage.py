@@ -1114,6 +1114,62 @@ def test_which_new_files_send_a_waiting_reader_to_look(
     assert store._may_be_news(handle, name) is news
 
 
+def test_the_readers_an_append_wakes_run_before_it_is_answered(make_store: MakeStore) -> None:
+    """The append commits in its own greenlet; the live readers its commit woke still go
+    first, so their event never waits for the appender's answer to be written."""
+    store = make_store()
+    store.create("live", CreateRequest(TEXT, payload=Payload(b"0")))
+    waiting = gevent.spawn(store.wait, "live", 1, WAIT_TIMEOUT_SECONDS)
+    gevent.sleep(2 * POLL_INTERVAL)
+    assert not waiting.ready()
+    append_text(store, "live", b"1")
+    assert waiting.ready(), "the appender was answered before the reader it woke ran"
+    assert waiting.value.tail == 2
+
+
+def slow_creates(store: StreamStore, seconds: float) -> Event:
+    """Make the store's creates take `seconds` first; the event is set when one starts."""
+    create, started = store.objects.create, Event()
+
+    def slow_create(key: str, data: bytes, **options: bool) -> None:
+        started.set()
+        gevent.sleep(seconds)
+        create(key, data, **options)
+
+    store.objects.create = slow_create  # type: ignore[method-assign]
+    return started
+
+
+def test_an_appender_killed_while_it_commits_fails_its_batch_and_hands_on_the_rest(
+    make_store: MakeStore,
+) -> None:
+    """The first append to find the stream idle commits its batch itself; if that
+    request's greenlet dies mid-commit (a server stopping), the appends in its batch are
+    answered with an error, not left waiting, and those queued after it are written."""
+    store = make_store()
+    store.create("live", CreateRequest(TEXT, payload=Payload(b"0")))
+    store.settings = replace(store.settings, linger_fraction=1.0)  # a batch forms meanwhile
+    handle = store._streams["live"]
+    handle.write_seconds = 10.0  # so the first waits the 50 ms at most
+    committing = slow_creates(store, 1.0)
+    first = gevent.spawn(append_text, store, "live", b"1")
+    deadline = time.monotonic() + WAIT_TIMEOUT_SECONDS
+    while not handle.writing and time.monotonic() < deadline:
+        gevent.sleep(0.001)
+    assert handle.writing, "the first append did not start"
+    in_batch = gevent.spawn(append_text, store, "live", b"2")
+    assert committing.wait(timeout=WAIT_TIMEOUT_SECONDS)
+    assert not handle.pending, "the second append missed the first one's batch"
+    queued = gevent.spawn(append_text, store, "live", b"3")
+    gevent.sleep(0.05)  # it waits behind the batch
+    first.kill(block=True)
+    in_batch.join(timeout=WAIT_TIMEOUT_SECONDS)
+    assert isinstance(in_batch.exception, storage.StorageUnavailable)
+    assert queued.get(timeout=WAIT_TIMEOUT_SECONDS).info.tail == 2
+    assert read_all(store, "live") == b"03"
+    assert not store._streams["live"].writing
+
+
 def test_a_writer_names_the_segment_it_is_creating_while_it_does(make_store: MakeStore) -> None:
     store = make_store()
     store.create("live", CreateRequest(TEXT, payload=Payload(b"0")))
