@@ -726,7 +726,7 @@ class StreamViews:
         timeout = self.settings.long_poll_timeout
         info = self.store.wait(path, position, timeout, incarnation=incarnation)
         if info.tail > position:
-            result = self.store.read(path, position, incarnation=info.incarnation)
+            result = self.store.read(path, position, incarnation=info.incarnation, after_wait=True)
             return self.read_response(result, cursor)
         headers = stream_headers(info)
         headers.update({UP_TO_DATE: "true", "Cache-Control": NO_STORE, **cursor})
@@ -761,7 +761,7 @@ class StreamViews:
             return int.from_bytes(cached[:8], "big"), cached[8:]
         end, data_event = offset, b""
         if info.tail > offset:
-            result = self.store.read(path, offset, incarnation=info.incarnation)
+            result = self.store.read(path, offset, incarnation=info.incarnation, after_wait=True)
             end, data_event = result.end, format_data_event(b"".join(result.chunks), base64_data)
         # One write per pair: a reader never sees a data event without its control.
         event = data_event + format_control_event(info, end, cursor)

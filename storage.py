@@ -1262,15 +1262,22 @@ class StreamStore:
         max_bytes: int | None = None,
         *,
         incarnation: str | None = None,
+        after_wait: bool = False,
     ) -> ReadResult:
         """Up to `max_bytes` from `offset` (None: the start), ending on a message boundary.
 
         `incarnation`: read only from that incarnation of the stream (see `_open`).
+        `after_wait`: the read fetches what a `wait` just announced, and takes the
+        stream as fresh as the wait did (a handle checked, or a tail confirmed, within
+        `poll_interval`): a live event after this process's own append then costs no
+        storage request (three stats on local disk, 0.035 ms of a 1 ms event).
         """
-        stream = self._open(path, touch=True, incarnation=incarnation)
+        freshness = self.settings.poll_interval if after_wait else 0.0
+        stream = self._open(path, touch=True, max_age=freshness, incarnation=incarnation)
         most = max_bytes or self.settings.max_read_bytes
         current = True
-        if _read_start(stream, offset) + most >= stream.state.tail:
+        reaches_tail = _read_start(stream, offset) + most >= stream.state.tail
+        if reaches_tail and not self._tail_confirmed(stream, freshness):
             try:
                 self._refresh(stream)  # the answer may reach the tail: say up-to-date truly
             except StorageUnavailable:

@@ -1024,6 +1024,22 @@ def test_concurrent_appends_from_two_stores_land_exactly_once(make_store: MakeSt
             assert sequence == list(range(APPENDS_PER_WRITER))
 
 
+def test_a_read_after_a_wait_takes_the_stream_as_fresh_as_the_wait_did(
+    make_store: MakeStore,
+) -> None:
+    """A live reader fetching what its wait announced makes no storage request for it:
+    a tail this store confirmed within the poll interval is taken as it is, as the wait
+    takes it. A plain read always looks for other stores' appends."""
+    ours, theirs = make_store(), make_store()
+    ours.settings = replace(ours.settings, poll_interval=JOIN_TIMEOUT_SECONDS)
+    ours.create("live", CreateRequest(TEXT, payload=Payload(b"0")))
+    append_text(ours, "live", b"1")  # our own create at the tail confirms it
+    append_text(theirs, "live", b"2")
+    assert b"".join(ours.read("live", 1, after_wait=True).chunks) == b"1"
+    assert b"".join(ours.read("live", 1).chunks) == b"12"
+    assert b"".join(ours.read("live", 1, after_wait=True).chunks) == b"12"
+
+
 def test_a_waiting_reader_sees_another_stores_append(make_store: MakeStore) -> None:
     writer_store, reader_store = make_store(), make_store()
     writer_store.create("live", CreateRequest(TEXT, payload=Payload(b"0")))
