@@ -102,10 +102,14 @@ def on_exit(server: object) -> None:
 
 
 def post_worker_init(worker: object) -> None:
-    """Let each worker count appends once per turn of its event loop (metrics.py's
-    AppendCounts). Imported in the worker: the master must never import metrics."""
+    """Let each worker count appends and write access lines once per turn of its event
+    loop (metrics.py's AppendCounts, logs.py's AccessLog). Imported in the worker: the
+    master must never import metrics."""
     import gevent
 
+    from logs import access_log
     from metrics import get_metrics
 
-    get_metrics().append_counts.defer = gevent.get_hub().loop.run_callback
+    defer = gevent.get_hub().loop.run_callback
+    get_metrics().append_counts.defer = defer
+    access_log.defer = defer

@@ -6,6 +6,8 @@ import io
 import json
 import logging
 import re
+import select
+from collections.abc import Callable
 from datetime import UTC, datetime
 
 import pytest
@@ -85,6 +87,46 @@ def test_the_direct_path_keeps_the_level() -> None:
     access.logger.setLevel(logging.WARNING)
     access.log(dict(FIELDS))
     assert access.direct is handler and stream.getvalue() == ""
+
+
+class RecordedWrites(io.StringIO):
+    """A stream that keeps each write apart, as each is one write(2) on a real one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.writes.append(text)
+        return super().write(text)
+
+
+def test_the_lines_of_a_turn_are_written_when_it_ends_in_whole_line_pieces() -> None:
+    """Under the gevent worker a turn's lines go out together; no write is longer than a
+    pipe keeps whole (PIPE_BUF), none cuts a line, and a line too long goes alone."""
+    stream = RecordedWrites()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonFormatter())
+    access = access_log_to(handler)
+    turn_ends: list[Callable[[], None]] = []
+    access.defer = turn_ends.append
+    paths = [f"/v1/stream/{'p' * (number * 40)}" for number in range(60)]
+    paths.insert(30, "/v1/stream/" + "x" * select.PIPE_BUF)
+    paths.insert(10, "/v1/stream/" + "é" * 1500)  # 3,000 bytes in 1,500 characters
+    for path in paths:
+        access.log({**FIELDS, "path": path})
+    assert stream.getvalue() == "" and len(turn_ends) == 1
+    turn_ends.pop()()
+    lines = stream.getvalue().splitlines()
+    assert [json.loads(line)["path"] for line in lines] == paths
+    assert 2 < len(stream.writes) < len(paths)
+    long_line = next(write for write in stream.writes if "x" * select.PIPE_BUF in write)
+    assert long_line.count("\n") == 1
+    for write in stream.writes:
+        assert write.endswith("\n")
+        assert len(write.encode()) <= select.PIPE_BUF or write == long_line
+    access.log(dict(FIELDS))  # the next turn's first line asks for the turn's end again
+    assert len(turn_ends) == 1
 
 
 def test_a_failing_stream_is_reported_as_logging_would_and_never_raises() -> None:
