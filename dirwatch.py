@@ -114,9 +114,9 @@ class DirectoryWatcher:
         if mask & IN_Q_OVERFLOW:  # events were lost: everyone looks
             targets = [cb for callbacks in self._callbacks.values() for cb in callbacks.values()]
             name = ""
-        elif mask & IN_IGNORED:
-            self._callbacks.pop(watch, None)
-            return
+        elif mask & IN_IGNORED:  # the directory is gone (or the watch cancelled): look
+            targets = list(self._callbacks.pop(watch, {}).values())
+            name = ""
         else:
             targets = list(self._callbacks.get(watch, {}).values())
         for on_create in targets:

@@ -683,10 +683,13 @@ class StreamStore:
 
     def _raise_if_deleted(self, stream: _Stream, error: Exception) -> None:
         """StreamNotFound if `error` (a piece missing, or missing from a listing) came from
-        another process deleting the stream after we opened it: its meta.json is no
-        longer the one we loaded."""
-        if self.objects.identity(_meta_key(stream.config.path)) != stream.identity:
+        another process deleting the stream after we opened it."""
+        if self._deleted_elsewhere(stream):
             raise StreamNotFound(f"stream {stream.config.path} was deleted") from error
+
+    def _deleted_elsewhere(self, stream: _Stream) -> bool:
+        """Whether the stream's meta.json is no longer the one this handle loaded."""
+        return self.objects.identity(_meta_key(stream.config.path)) != stream.identity
 
     def _fresh(self, stream: _Stream) -> _Stream:
         """Re-list an index older than `index_max_age`: compaction may have moved its data.
@@ -1320,8 +1323,9 @@ class StreamStore:
         taken as it is: an SSE subscriber back for the next event costs no storage
         request, which is what lets one worker follow a stream with thousands of
         subscribers. A stream deleted in this process ends its waits (StreamNotFound;
-        StreamGone while forks keep it); one deleted by another process shows at the
-        next wait, through `incarnation` (see `_open`).
+        StreamGone while forks keep it); one deleted by another process too, on local
+        disk with a watch (see `_poll`), else at the next wait, through `incarnation`
+        (see `_open`).
         """
         poll_interval = self.settings.poll_interval
         stream = self._open(path, touch=True, max_age=poll_interval, incarnation=incarnation)
@@ -1358,19 +1362,25 @@ class StreamStore:
         Where a watch on the segment directory can be added (local disk, Linux), it says
         when to look, and a timed look every `watched_poll_interval` is the safety net.
         Without one, look every `poll_interval`, as on object stores; a stream from
-        before directories were made at create has none until its first segment.
+        before directories were made at create has none until its first segment. A look
+        the watch asked for that finds no segment may be the directory's removal: when
+        meta.json is no longer this handle's, another process deleted the stream, and
+        its waiters end with a 404 instead of answering at their deadline.
         """
         nudged = Event()
         stop_watching = self._watch(stream, nudged)
         try:
             while stream.waiters > 0 and not stream.state.closed:
+                was_nudged = False
                 if stop_watching is None:
                     gevent.sleep(self.settings.poll_interval)
                 else:
-                    nudged.wait(self.settings.watched_poll_interval)
+                    was_nudged = nudged.wait(self.settings.watched_poll_interval)
                     nudged.clear()
                 try:
                     found = self._refresh(stream)
+                    if was_nudged and not found and self._deleted_elsewhere(stream):
+                        _end_waits(stream)  # its segment directory went: 404 now, not at timeout
                 except StorageUnavailable:
                     continue
                 if found and stop_watching is None:

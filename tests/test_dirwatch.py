@@ -82,6 +82,19 @@ def test_two_watches_on_one_directory_each_hear_until_cancelled(tmp_path: Path) 
     cancel_second()
 
 
+def test_a_watched_directory_removed_tells_its_watch_to_look(tmp_path: Path) -> None:
+    """A stream deleted by another process takes its segment directory with it: the
+    watch's readers are told to look (and find it deleted), and the watch is gone."""
+    directory = tmp_path / "seg"
+    directory.mkdir()
+    heard = Heard()
+    cancel = dirwatch.watcher.watch_creates(str(directory), heard)
+    assert cancel is not None
+    directory.rmdir()
+    heard.wait_for("")
+    cancel()  # harmless once the directory went
+
+
 def test_no_watch_on_a_directory_that_does_not_exist(tmp_path: Path) -> None:
     assert dirwatch.watcher.watch_creates(str(tmp_path / "missing"), Heard()) is None
 

@@ -1109,6 +1109,25 @@ def test_on_local_disk_a_watch_wakes_a_reader_of_another_stores_append(
     assert info.tail == len(initial) + 1, "the wait ended without the other store's append"
 
 
+def test_on_local_disk_a_wait_on_a_stream_another_store_deletes_ends_at_once(
+    storage_url: str,
+) -> None:
+    """With a minute between timed looks, only the watch hears the segment directory go:
+    the reader's wait ends with a 404 now instead of answering at its deadline."""
+    if storage_url.startswith("s3://"):
+        pytest.skip("object stores have no watch: they poll")
+    settings = StoreSettings(poll_interval=60, watched_poll_interval=60)
+    deleting_store, reader_store = (StreamStore(ObjectStore(storage_url), settings) for _ in "ab")
+    deleting_store.create("live", CreateRequest(TEXT, payload=Payload(b"0")))
+    waiting = gevent.spawn(reader_store.wait, "live", 1, 2 * WAIT_TIMEOUT_SECONDS)
+    gevent.sleep(2 * POLL_INTERVAL)
+    assert not waiting.ready()
+    deleting_store.delete("live")
+    waiting.join(timeout=WAIT_TIMEOUT_SECONDS)
+    assert waiting.ready(), "the wait went on after another store deleted its stream"
+    assert isinstance(waiting.exception, StreamNotFound)
+
+
 @pytest.mark.parametrize(
     ("name", "creating", "news"),
     [
