@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import random
 import re
 import select
 import sys
@@ -200,7 +201,9 @@ def request_id_from(given: str | None) -> str:
     """The caller's X-Request-Id if it is sane, else a new one."""
     if given is not None and REQUEST_ID_PATTERN.fullmatch(given):
         return given
-    return os.urandom(16).hex()  # as unique as a uuid4, a tenth of the cost
+    # Unique, not secret: `random` is seeded from the OS and reseeded in each forked
+    # worker, and draws without os.urandom's system call (one per request).
+    return f"{random.getrandbits(128):032x}"
 
 
 def log_request(

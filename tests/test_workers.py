@@ -948,3 +948,38 @@ def test_housekeeping_racing_requests_on_every_worker_never_answers_an_error(
     }
     assert not errors, f"errors among {answers}"
     assert answers["expiring fork 201"] and answers["source delete 204"], answers
+
+
+# -- 8. what each worker makes on its own -----------------------------------------------------
+
+REQUEST_ID_PROBES = 64
+
+
+def test_request_ids_made_by_different_workers_never_repeat(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    """Workers are forked from one master: an id generator that each did not reseed would
+    hand out the same ids in every worker. PicoMQ's own access lines carry the pid."""
+    server, access_log = start_logged_server(start_server, tmp_path)
+    probe = f"{server.url}{READINESS_PATH}-ids"
+    answered = [
+        requests.get(probe, headers=CLOSE_CONNECTION, timeout=REQUEST_TIMEOUT_SECONDS)
+        for _ in range(REQUEST_ID_PROBES)
+    ]
+    given = [answer.headers["X-Request-Id"] for answer in answered]
+    assert_spread(access_log, "GET", urlsplit(probe).path)
+    deadline = time.monotonic() + REQUEST_TIMEOUT_SECONDS
+    while len(logged := probe_lines(server, probe)) < REQUEST_ID_PROBES:
+        assert time.monotonic() < deadline, f"{len(logged)} access lines of the probes"
+        time.sleep(0.05)
+    assert sorted(line["request_id"] for line in logged) == sorted(given)
+    assert len({line["pid"] for line in logged}) >= 2
+    assert len(set(given)) == len(given), f"repeated ids among {given}"
+
+
+def probe_lines(server: Server, probe: str) -> list[dict]:
+    """PicoMQ's JSON access lines of GETs on `probe`'s path, from the server's output."""
+    path = urlsplit(probe).path
+    lines = (line for line in server.output().splitlines() if line.startswith("{"))
+    entries = (json.loads(line) for line in lines)
+    return [entry for entry in entries if entry.get("path") == path and entry["method"] == "GET"]
