@@ -145,7 +145,7 @@ class FastAppends:
             return None  # werkzeug decodes a path of other characters its own way
         if not (length.isascii() and length.isdigit() and 0 < int(length) <= self.max_body_bytes):
             return None
-        if any(name in environ for name in NOT_PLAIN):
+        if not environ.keys().isdisjoint(NOT_PLAIN):
             return None
         path = path_info[len(STREAM_PREFIX) :]
         if path.split("/", 1)[0] == RESERVED_PREFIX:

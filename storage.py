@@ -1751,7 +1751,13 @@ def _first_taken_now(chunks: Iterator[bytes]) -> Iterator[bytes]:
 
 
 def _info(stream: _Stream, state: StreamState) -> StreamInfo:
-    return replace(stream.info(), tail=state.tail, closed=state.closed)
+    """The stream's info at a planned state: every append's answer builds one.
+
+    A copy of the cached info's fields with two changed: `dataclasses.replace` walks
+    the fields and runs the frozen `__init__`, 2.8 µs against 0.45 (timeit)."""
+    info = object.__new__(StreamInfo)
+    info.__dict__.update(stream.info().__dict__, tail=state.tail, closed=state.closed)
+    return info
 
 
 def _add_payload(plan: _Plan, payload: Payload) -> None:

@@ -65,7 +65,6 @@ HEADER_LINE = re.compile(
 )
 CONTENT_LENGTH = re.compile(r"[0-9]+")
 TARGET_OUTSIDE_ASCII = re.compile(r"[^\x21-\x7e]")  # RFC 9112 3.2, as gunicorn refuses
-SINGLETON_FIELDS = ("host", "content-type")
 
 
 class EagerSendSocket(gevent_socket.socket):
@@ -105,7 +104,7 @@ class HeadLimits:
 class Forwarding:
     """Which peers may say, in which headers, that the client came over https."""
 
-    secure_scheme_headers: tuple[tuple[str, str], ...]  # (header, value that means https)
+    secure_scheme_headers: tuple[tuple[str, str], ...]  # (header in lower case, value: https)
     allowed_networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]
     trust_all: bool
 
@@ -113,7 +112,9 @@ class Forwarding:
     def from_config(cls, cfg: Any) -> Forwarding:
         allowed = cfg.forwarded_allow_ips
         return cls(
-            secure_scheme_headers=tuple(cfg.secure_scheme_headers.items()),
+            secure_scheme_headers=tuple(
+                (name.lower(), value) for name, value in cfg.secure_scheme_headers.items()
+            ),
             allowed_networks=tuple(ipaddress.ip_network(ip) for ip in allowed if ip != "*"),
             trust_all="*" in allowed,
         )
@@ -356,10 +357,12 @@ class PicoMQHandler(PyWSGIHandler):
         it: gunicorn's secure_scheme_headers (X-Forwarded-Proto: https, ...), from a peer
         in forwarded_allow_ips. PicoMQ's Location header is built on it."""
         trust = self.forwarding
+        given = self.headers.by_name
         said = {
             "https" if value == secure else "http"
             for name, secure in trust.secure_scheme_headers
-            for value in self.headers.get_all(name)
+            if name in given
+            for value in given[name]
         }
         if not said or not trust.trusts(self.client_address):
             return None
@@ -371,10 +374,11 @@ class PicoMQHandler(PyWSGIHandler):
     def refuse_ambiguous_head(headers: RequestHeaders) -> None:
         """Refuse a head that two HTTP implementations could read apart: its body's
         length, or a field that admits one value only (RFC 9110 5.3) given twice."""
-        if any(len(headers.get_all(name)) > 1 for name in SINGLETON_FIELDS):
+        given = headers.by_name  # by lower-case name
+        if len(given.get("host", ())) > 1 or len(given.get("content-type", ())) > 1:
             raise RefusedHead(400, "Bad Request", "Host or Content-Type given twice")
-        lengths = headers.get_all("content-length")
-        codings = headers.get_all("transfer-encoding")
+        lengths = given.get("content-length", [])
+        codings = given.get("transfer-encoding", [])
         if codings and (lengths or [c.strip().lower() for c in codings] != ["chunked"]):
             raise RefusedHead(
                 400, "Bad Request", "Transfer-Encoding must be chunked, without Content-Length"
