@@ -2,8 +2,10 @@
 
 fsspec's local create-only write is check-then-write, not atomic, and fsspec never
 fsyncs. So local disk writes a temporary file and `os.link`s it into place: the link
-is the atomic create-only step, and no reader ever sees a half-written object. Data
-and link are durable before the create returns.
+is the atomic create-only step, and no reader ever sees a half-written object (nor,
+for objects their loader verifies, a temporary name: on Linux their file has none
+until it is linked, see `_publish`). Data and link are durable before the create
+returns.
 
 For most objects the data is made durable before the link publishes it, two ways:
 - `create_durably`, one object at a time: fsync the file, link, fsync the directory.
@@ -28,6 +30,7 @@ and no other process serves it before `sync_published` has made it durable.
 from __future__ import annotations
 
 import ctypes
+import errno
 import math
 import os
 import time
@@ -41,6 +44,15 @@ from gevent.event import AsyncResult
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _SYNCFS = getattr(_LIBC, "syncfs", None)  # Linux only
 CAN_SYNC_FILESYSTEM = _SYNCFS is not None
+# Linux makes a file without a name (O_TMPFILE) and links it later through /proc.
+_LINKAT = getattr(_LIBC, "linkat", None)
+CAN_LINK_UNNAMED = (
+    hasattr(os, "O_TMPFILE") and _LINKAT is not None and os.path.isdir("/proc/self/fd")
+)
+AT_FDCWD = -100
+AT_SYMLINK_FOLLOW = 0x400
+# What opening an unnamed file fails with where the filesystem or kernel has none.
+NO_UNNAMED_FILES = (errno.EOPNOTSUPP, errno.EISDIR)
 
 # A process idle this long, using less than this share of a core meanwhile, has no
 # one queued for its event loop: see BatchedCreates.
@@ -68,9 +80,8 @@ def create_durably(path: str, data: bytes) -> None:
 
 def publish_then_sync(path: str, data: bytes) -> None:
     """Create one object its loader verifies: write, link, then one syncfs for both."""
-    temporary, descriptor = _write_temporary(path, data, fsync=False)
+    descriptor = _publish(path, data)
     try:
-        _link_into_place(temporary, path)
         _sync_filesystems([descriptor])
     finally:
         os.close(descriptor)
@@ -106,29 +117,37 @@ def create_many(objects: list[Create]) -> list[Outcome]:
 
 
 def _create_sharing_syncs(objects: list[Create], filesystems: dict[int, int]) -> list[Outcome]:
+    """Objects the loader verifies are linked as soon as written; the others once the
+    first syncfs has made their data durable. A second syncfs makes all the links."""
     outcomes: list[Outcome] = [None] * len(objects)
-    staged: list[tuple[int, str, str]] = []
-    for number, (path, data, _) in enumerate(objects):
+    written: list[int] = []
+    unlinked: list[tuple[int, str, str]] = []  # (number, temporary path, path)
+    for number, (path, data, verified_on_load) in enumerate(objects):
         try:
-            temporary, descriptor = _write_temporary(path, data, fsync=False)
+            if verified_on_load:
+                descriptor = _publish(path, data)
+            else:
+                temporary, descriptor = _write_temporary(path, data, fsync=False)
+                unlinked.append((number, temporary, path))
         except OSError as error:
             outcomes[number] = error
             continue
-        staged.append((number, temporary, path))
+        written.append(number)
         device = os.fstat(descriptor).st_dev
         if device in filesystems:
             os.close(descriptor)
         else:
             filesystems[device] = descriptor
     try:
-        if not all(create.verified_on_load for create in objects):
-            _sync_filesystems(filesystems.values())  # the data, before any link publishes it
+        if unlinked:
+            _sync_filesystems(filesystems.values())  # their data, before a link publishes it
     except OSError as error:
-        for number, temporary, _ in staged:
+        for _, temporary, _ in unlinked:
             _remove_quietly(temporary)
+        for number in written:
             outcomes[number] = error
         return outcomes
-    for number, temporary, path in staged:
+    for number, temporary, path in unlinked:
         try:
             _link_into_place(temporary, path)
         except OSError as error:
@@ -136,7 +155,7 @@ def _create_sharing_syncs(objects: list[Create], filesystems: dict[int, int]) ->
     try:
         _sync_filesystems(filesystems.values())  # the links (and, for verified objects, data)
     except OSError as error:
-        for number, _, _ in staged:
+        for number in written:
             outcomes[number] = outcomes[number] or error
     return outcomes
 
@@ -237,6 +256,51 @@ def _write_temporary(path: str, data: bytes, *, fsync: bool) -> tuple[str, int]:
         os.close(descriptor)
         _remove_quietly(temporary)
         raise
+
+
+def _publish(path: str, data: bytes) -> int:
+    """Write an object its loader verifies and link it at `path`, nothing synced yet;
+    returns a descriptor of its file, still open (the caller closes it).
+
+    Where the filesystem allows, the file is made without a name and linked once
+    written: no temporary name is created and removed, and the sync has less to write
+    (medians of 300 creates of 200 bytes on this machine's ext4, each with its syncfs:
+    364–385 µs against 405–433; without it 19–20 against 27–30). A crash leaves no
+    temporary file behind. Elsewhere a named temporary file.
+    """
+    if CAN_LINK_UNNAMED:
+        directory = os.path.dirname(path)
+        make_durable_directories(directory)
+        try:
+            descriptor = os.open(directory, os.O_TMPFILE | os.O_WRONLY, 0o644)
+        except OSError as error:
+            if error.errno not in NO_UNNAMED_FILES:
+                raise
+        else:
+            try:
+                write_all(descriptor, data)
+                _link_unnamed(descriptor, path)
+            except BaseException:
+                os.close(descriptor)
+                raise
+            return descriptor
+    temporary, descriptor = _write_temporary(path, data, fsync=False)
+    try:
+        _link_into_place(temporary, path)
+    except BaseException:
+        os.close(descriptor)
+        raise
+    return descriptor
+
+
+def _link_unnamed(descriptor: int, path: str) -> None:
+    """Give the unnamed file open as `descriptor` its name; `FileExistsError` if taken.
+
+    os.link cannot: it calls link(2), which does not follow /proc's link to the file."""
+    source = f"/proc/self/fd/{descriptor}".encode()
+    if _LINKAT(AT_FDCWD, source, AT_FDCWD, os.fsencode(path), AT_SYMLINK_FOLLOW) != 0:
+        number = ctypes.get_errno()
+        raise OSError(number, os.strerror(number), path)
 
 
 def _link_into_place(temporary: str, path: str) -> None:

@@ -16,7 +16,9 @@ from typing import Any
 
 import gevent
 import pytest
+from conftest import NEEDS_INOTIFY
 
+import dirwatch
 import localdisk
 from objectstore import ObjectStore, run_in_threadpool
 
@@ -195,7 +197,7 @@ def test_data_is_synced_before_its_link_unless_the_loader_verifies_it(
     if all(verified):
         assert syncs == [linked]  # one sync, after the links, for data and links alike
     else:
-        assert syncs == [[False] * len(paths), linked]
+        assert syncs == [list(verified), linked]  # the unverified wait for the first
     assert [Path(path).read_bytes() for path in paths] == [path.encode() for path in paths]
     assert not leftovers(tmp_path)
 
@@ -208,3 +210,57 @@ def test_a_lone_object_the_loader_does_not_verify_takes_fsyncs(
     assert localdisk.create_many([localdisk.Create(path, b"{}")]) == [None]
     assert syncs == []
     assert Path(path).read_bytes() == b"{}"
+
+
+def names_created_by(directory: Path, creates: list[localdisk.Create]) -> list[str]:
+    """Every name inotify hears made in `directory` while `creates` are made, as a batch
+    and then one by one, the first once more (which fails: it exists)."""
+    heard: list[str] = []
+    cancel = dirwatch.watcher.watch_creates(str(directory), heard.append)
+    assert cancel is not None, "no inotify watch could be added"
+    try:
+        assert localdisk.create_many(creates[:-1]) == [None] * (len(creates) - 1)
+        assert localdisk.create_many(creates[-1:]) == [None]
+        [again] = localdisk.create_many(creates[:1])
+        assert isinstance(again, FileExistsError)
+        gevent.sleep(0.1)  # the watch's greenlet reads what the kernel has queued
+    finally:
+        cancel()
+    assert sorted(os.listdir(directory)) == [Path(create.path).name for create in creates]
+    assert [Path(create.path).read_bytes() for create in creates] == [
+        create.data for create in creates
+    ]
+    return sorted(heard)
+
+
+@NEEDS_INOTIFY
+@pytest.mark.skipif(not localdisk.CAN_LINK_UNNAMED, reason="no unnamed files on this system")
+@pytest.mark.parametrize("verified", [True, False])
+def test_only_objects_the_loader_verifies_are_written_without_a_temporary_name(
+    tmp_path: Path, verified: bool
+) -> None:
+    """A segment's file has no name until it is linked as its own: inotify hears one
+    create per segment. Data that must be synced before its link still goes through a
+    named temporary file: an unnamed one would hold a descriptor per object till then."""
+    directory = tmp_path / "seg"
+    directory.mkdir()
+    paths = [f"{directory}/{number:04d}" for number in range(4)]
+    names = names_created_by(directory, [localdisk.Create(p, p.encode(), verified) for p in paths])
+    finals = ["0000", "0001", "0002", "0003"]
+    if verified:
+        assert names == finals
+    else:  # a temporary file each, and one for the create that failed
+        assert all(name.startswith(".tmp-") for name in names[:5])
+        assert names[5:] == finals
+
+
+def test_without_unnamed_files_verified_objects_take_a_temporary_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(localdisk, "CAN_LINK_UNNAMED", False)
+    directory = tmp_path / "seg"
+    directory.mkdir()
+    paths = [f"{directory}/{number:04d}" for number in range(3)]
+    names = names_created_by(directory, [localdisk.Create(p, p.encode(), True) for p in paths])
+    assert names[4:] == ["0000", "0001", "0002"]  # and a temporary file each, as above
+    assert all(name.startswith(".tmp-") for name in names[:4])
