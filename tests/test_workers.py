@@ -982,4 +982,4 @@ def probe_lines(server: Server, probe: str) -> list[dict]:
     path = urlsplit(probe).path
     lines = (line for line in server.output().splitlines() if line.startswith("{"))
     entries = (json.loads(line) for line in lines)
-    return [entry for entry in entries if entry.get("path") == path and entry["method"] == "GET"]
+    return [entry for entry in entries if (entry.get("path"), entry.get("method")) == (path, "GET")]
