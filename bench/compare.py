@@ -138,7 +138,7 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument(
         "--profile",
         action="store_true",
-        help="sample PicoMQ's worker with py-spy, and its core with perf, during each load"
+        help="sample PicoMQ's worker with py-spy and perf during each load"
         " (figures read a little low)",
     )
     arguments = parser.parse_args()
@@ -232,7 +232,7 @@ def measure(
         target = start_target(load, name, work_dir, settings.server_core, started)
         profile = settings.profile_dir / f"{load.name}-rep{rep + 1}.txt"
         with (
-            profiled(target.server, settings.server_core, profile, run.profile)
+            profiled(target.server, profile, run.profile)
             if settings.profile and name == "picomq"
             else nullcontext()
         ):

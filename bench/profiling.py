@@ -15,12 +15,12 @@ would otherwise count as busy, and the samples are meant to be the worker's CPU 
 py-spy stops the worker to read its stacks, and on a VM those stops land at the return
 of a system call more often than elsewhere: it put 14.5 % of one stream's append
 samples on `getpid`, which costs 0.07 % of the core. So `perf` (Debian: `apt-get install
-linux-perf`; not a dependency either) records the server's core alongside, with call
-chains, and the summary splits the worker's time by where it ran (the interpreter, the
-kernel, libc, each C extension) and names the system calls the kernel's share went to.
+linux-perf`; not a dependency either) records the worker alongside, with call chains,
+and the summary splits its time by where it ran (the interpreter, the kernel, libc,
+each C extension) and names the system calls the kernel's share went to.
 py-spy's stops run in the kernel too, so the kernel's share reads higher than in a run
-without py-spy (one stream's appends: 30 % against 22 %). Without perf, or without the
-right to record a core, only py-spy's summary is printed.
+without py-spy (one stream's appends: 25–30 % against 22 %). Without perf, or without the
+right to record the worker, only py-spy's summary is printed.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import shutil
 import signal
 import subprocess
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -47,10 +47,10 @@ SYSTEM_CALL = re.compile(r"\[k\] (?:__x64_sys|__do_sys)_(?P<call>\w+)$")
 
 
 @contextmanager
-def profiled(server: Server, core: int, output: Path, summary: list[str]) -> Iterator[None]:
-    """Record the server's worker into `output` (py-spy) and `core` into `output` with
-    `.perf` added (perf); append a summary of each to `summary`."""
-    with sampled_stacks(server, output, summary), core_split(server, core, output, summary):
+def profiled(server: Server, output: Path, summary: list[str]) -> Iterator[None]:
+    """Record the server's worker into `output` (py-spy) and into `output` with `.perf`
+    added (perf); append a summary of each to `summary`."""
+    with sampled_stacks(server, output, summary), time_split(server, output, summary):
         yield
 
 
@@ -61,56 +61,53 @@ def sampled_stacks(server: Server, output: Path, summary: list[str]) -> Iterator
         raise RuntimeError(f"{py_spy} not found: `.venv/bin/pip install py-spy` to profile")
     worker = server.processes()[-1]  # gunicorn's master, then its one worker
     output.parent.mkdir(parents=True, exist_ok=True)
-    recorder = subprocess.Popen(
-        [str(py_spy), "record", "--gil", "--pid", str(worker), "--format", "raw"]
-        + ["--output", str(output)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
+    command = [str(py_spy), "record", "--gil", "--pid", str(worker), "--format", "raw"]
+    with recorded([*command, "--output", str(output)], output, summary, lambda: summarize(output)):
+        yield
+
+
+@contextmanager
+def time_split(server: Server, output: Path, summary: list[str]) -> Iterator[None]:
+    """Record the worker with perf while the load runs; summarize where its time went."""
+    perf = shutil.which("perf")
+    if perf is None:
+        summary.append("perf not found (Debian: apt-get install linux-perf): no time split")
+        yield
+        return
+    recording = output.with_name(output.name + ".perf")
+    worker = str(server.processes()[-1])
+    command = [perf, "record", "-g", "-F", PERF_HERTZ, "-p", worker, "-o", str(recording)]
+    with recorded(command, recording, summary, lambda: split_by_place(perf, recording)):
+        yield
+
+
+@contextmanager
+def recorded(
+    command: list[str], output: Path, summary: list[str], summarize: Callable[[], list[str]]
+) -> Iterator[None]:
+    """Run a recorder while the block runs, then stop it and add its summary to `summary`.
+
+    py-spy and perf both write `output` when interrupted (SIGINT)."""
+    recorder = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         yield
     finally:
-        recorder.send_signal(signal.SIGINT)  # py-spy writes its output when interrupted
+        recorder.send_signal(signal.SIGINT)
         try:
             _, errors = recorder.communicate(timeout=STOP_DEADLINE_SECONDS)
         except subprocess.TimeoutExpired:
             recorder.kill()
             _, errors = recorder.communicate()
         if output.exists():
-            summary.extend(summarize(output))
+            summary.extend(summarize())
         else:
-            summary.append(f"py-spy wrote nothing: {errors.decode(errors='replace')[-500:]}")
+            name = Path(command[0]).name
+            summary.append(f"{name} wrote nothing: {errors.decode(errors='replace')[-500:]}")
 
 
-@contextmanager
-def core_split(server: Server, core: int, output: Path, summary: list[str]) -> Iterator[None]:
-    """Record `core` with perf while the load runs; summarize the worker's share of it."""
-    perf = shutil.which("perf")
-    if perf is None:
-        summary.append("perf not found (Debian: apt-get install linux-perf): no core split")
-        yield
-        return
-    recording = output.with_name(output.name + ".perf")
-    command = [perf, "record", "-g", "-F", PERF_HERTZ, "-C", str(core), "-o", str(recording)]
-    recorder = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        yield
-    finally:
-        recorder.send_signal(signal.SIGINT)  # perf writes its file when interrupted
-        try:
-            _, errors = recorder.communicate(timeout=STOP_DEADLINE_SECONDS)
-        except subprocess.TimeoutExpired:
-            recorder.kill()
-            _, errors = recorder.communicate()
-        if recording.exists():
-            summary.extend(split_by_place(perf, recording, server.processes()[-1]))
-        else:
-            summary.append(f"perf wrote nothing: {errors.decode(errors='replace')[-500:]}")
-
-
-def split_by_place(perf: str, recording: Path, worker: int) -> list[str]:
-    """The worker's share of the core by shared object, and its system calls' shares."""
-    report = [perf, "report", "-i", str(recording), "--pid", str(worker), "--stdio"]
+def split_by_place(perf: str, recording: Path) -> list[str]:
+    """The worker's time by shared object, and its system calls' shares of it."""
+    report = [perf, "report", "-i", str(recording), "--stdio"]
     places = perf_shares([*report, "--no-children", "--sort", "dso", "-g", "none"])
     calls: dict[str, float] = {}  # a call's entry points (__x64_sys_, __do_sys_): the first
     for share, name in perf_shares([*report, "--children", "--sort", "sym", "-g", "none"]):
@@ -119,8 +116,8 @@ def split_by_place(perf: str, recording: Path, worker: int) -> list[str]:
     if not places:
         return [f"perf recorded no samples of the worker in {recording}"]
     return [
-        f"core split (perf, {PERF_HERTZ} a second, call chains) in {recording}:",
-        "  the worker's share of the core, by where it ran:",
+        f"time split (perf, {PERF_HERTZ} a second, call chains) in {recording}:",
+        "  the worker's time by where it ran:",
         *(f"    {share:5.1f}%  {name}" for share, name in places[:TOP]),
         "  system calls, with what the kernel did for them:",
         *(f"    {share:5.1f}%  {name}" for name, share in list(calls.items())[:TOP]),
