@@ -962,14 +962,17 @@ def test_request_ids_made_by_different_workers_never_repeat(
     hand out the same ids in every worker. PicoMQ's own access lines carry the pid."""
     server, access_log = start_logged_server(start_server, tmp_path)
     probe = f"{server.url}{READINESS_PATH}-ids"
-    answered = [
-        requests.get(probe, headers=CLOSE_CONNECTION, timeout=REQUEST_TIMEOUT_SECONDS)
-        for _ in range(REQUEST_ID_PROBES)
-    ]
-    given = [answer.headers["X-Request-Id"] for answer in answered]
+    given: list[str] = []
+    # As in the catch-up test: the kernel may hand a run of connections to one worker.
+    while len(given) < REQUEST_ID_PROBES or (
+        len(given) < 4 * REQUEST_ID_PROBES
+        and len(serving_workers(access_log, "GET", urlsplit(probe).path)) < 2
+    ):
+        answer = requests.get(probe, headers=CLOSE_CONNECTION, timeout=REQUEST_TIMEOUT_SECONDS)
+        given.append(answer.headers["X-Request-Id"])
     assert_spread(access_log, "GET", urlsplit(probe).path)
     deadline = time.monotonic() + REQUEST_TIMEOUT_SECONDS
-    while len(logged := probe_lines(server, probe)) < REQUEST_ID_PROBES:
+    while len(logged := probe_lines(server, probe)) < len(given):
         assert time.monotonic() < deadline, f"{len(logged)} access lines of the probes"
         time.sleep(0.05)
     assert sorted(line["request_id"] for line in logged) == sorted(given)
