@@ -83,7 +83,7 @@ def time_split(server: Server, output: Path, summary: list[str]) -> Iterator[Non
 
 @contextmanager
 def recorded(
-    command: list[str], output: Path, summary: list[str], summarize: Callable[[], list[str]]
+    command: list[str], output: Path, summary: list[str], report: Callable[[], list[str]]
 ) -> Iterator[None]:
     """Run a recorder while the block runs, then stop it and add its summary to `summary`.
 
@@ -99,7 +99,7 @@ def recorded(
             recorder.kill()
             _, errors = recorder.communicate()
         if output.exists():
-            summary.extend(summarize())
+            summary.extend(report())
         else:
             name = Path(command[0]).name
             summary.append(f"{name} wrote nothing: {errors.decode(errors='replace')[-500:]}")
