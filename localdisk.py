@@ -299,8 +299,7 @@ def _link_unnamed(descriptor: int, path: str) -> None:
     os.link cannot: it calls link(2), which does not follow /proc's link to the file."""
     source = f"/proc/self/fd/{descriptor}".encode()
     if _LINKAT(AT_FDCWD, source, AT_FDCWD, os.fsencode(path), AT_SYMLINK_FOLLOW) != 0:
-        number = ctypes.get_errno()
-        raise OSError(number, os.strerror(number), path)
+        raise _last_error(path)
 
 
 def _link_into_place(temporary: str, path: str) -> None:
@@ -317,8 +316,14 @@ def _sync_filesystems(descriptors: Iterable[int]) -> None:
 
 def _sync_filesystem(descriptor: int) -> None:
     if _SYNCFS(descriptor) != 0:
-        number = ctypes.get_errno()
-        raise OSError(number, os.strerror(number))
+        raise _last_error()
+
+
+def _last_error(path: str | None = None) -> OSError:
+    """The error of the libc call that just failed, as os would raise it (an
+    OSError subclass by errno: FileExistsError, FileNotFoundError, ...)."""
+    number = ctypes.get_errno()
+    return OSError(number, os.strerror(number), path)
 
 
 def _remove_quietly(path: str) -> None:

@@ -114,12 +114,11 @@ class AccessLog:
             return
         entry = log_entry(time.time(), "info", self.logger.name, ACCESS_MESSAGE, os.getpid())
         entry.update(fields)
-        line = orjson.dumps(entry, default=str).decode() + handler.terminator
-        if self.defer is not None and not self.pending:
-            self.defer(self.write_pending)
-        self.pending.append(line)
+        self.pending.append(orjson.dumps(entry, default=str).decode() + handler.terminator)
         if self.defer is None:
             self.write_pending()
+        elif len(self.pending) == 1:  # the turn's first line: write them all when it ends
+            self.defer(self.write_pending)
 
     def write_pending(self) -> None:
         """Write the lines logged since the last call, whole lines to each write."""
