@@ -51,8 +51,10 @@ CAN_LINK_UNNAMED = (
 )
 AT_FDCWD = -100
 AT_SYMLINK_FOLLOW = 0x400
-# What opening an unnamed file fails with where the filesystem or kernel has none.
-NO_UNNAMED_FILES = (errno.EOPNOTSUPP, errno.EISDIR)
+# What opening an unnamed file fails with where a named temporary file must be made:
+# the filesystem or kernel has none (EOPNOTSUPP, EISDIR), or the directory was removed
+# after its lookup, which ext4 answers with EPERM where a named create says ENOENT.
+NAMED_FILE_INSTEAD = (errno.EOPNOTSUPP, errno.EISDIR, errno.EPERM)
 
 # A process idle this long, using less than this share of a core meanwhile, has no
 # one queued for its event loop: see BatchedCreates.
@@ -266,7 +268,9 @@ def _publish(path: str, data: bytes) -> int:
     written: no temporary name is created and removed, and the sync has less to write
     (medians of 300 creates of 200 bytes on this machine's ext4, each with its syncfs:
     364–385 µs against 405–433; without it 19–20 against 27–30). A crash leaves no
-    temporary file behind. Elsewhere a named temporary file.
+    temporary file behind. Elsewhere a named temporary file; and where the directory
+    was just removed (a stream deleted under its append), the named file's create
+    answers as it always did: FileNotFoundError, which the store turns into a 404.
     """
     if CAN_LINK_UNNAMED:
         directory = os.path.dirname(path)
@@ -274,7 +278,7 @@ def _publish(path: str, data: bytes) -> int:
         try:
             descriptor = os.open(directory, os.O_TMPFILE | os.O_WRONLY, 0o644)
         except OSError as error:
-            if error.errno not in NO_UNNAMED_FILES:
+            if error.errno not in NAMED_FILE_INSTEAD:
                 raise
         else:
             try:

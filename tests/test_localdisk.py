@@ -264,3 +264,28 @@ def test_without_unnamed_files_verified_objects_take_a_temporary_name(
     names = names_created_by(directory, [localdisk.Create(p, p.encode(), True) for p in paths])
     assert names[4:] == ["0000", "0001", "0002"]  # and a temporary file each, as above
     assert all(name.startswith(".tmp-") for name in names[:4])
+
+
+def test_an_object_whose_directory_was_just_removed_is_not_found(tmp_path: Path) -> None:
+    """A stream deleted under its append is a 404, never a 503: ext4 refuses an unnamed
+    file in a removed directory with EPERM, where a named create says ENOENT. /proc's
+    link to a removed directory stands in for a removal between lookup and create."""
+    directory = tmp_path / "seg"
+    directory.mkdir()
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        directory.rmdir()
+        removed = f"/proc/self/fd/{descriptor}"
+        with pytest.raises(FileNotFoundError):
+            localdisk.publish_then_sync(f"{removed}/0000", b"lost")
+        outcomes = localdisk.create_many(
+            [
+                localdisk.Create(f"{removed}/0001", b"lost", True),
+                localdisk.Create(f"{tmp_path}/live/0001", b"kept", True),
+            ]
+        )
+    finally:
+        os.close(descriptor)
+    assert isinstance(outcomes[0], FileNotFoundError)
+    assert outcomes[1] is None
+    assert (tmp_path / "live" / "0001").read_bytes() == b"kept"
