@@ -36,7 +36,11 @@ the app's own writes, framed as pywsgi frames what the app yields.
 pywsgi reads each connection through a buffered file of 8 KiB, allocated when the
 connection opens: 80 MiB for 10,000 SSE subscribers, which read nothing after their
 request. READ_BUFFER_BYTES holds a typical request head; a larger body is read
-straight from the socket.
+straight from the socket. For the same subscribers' sake, the handler lets go of what
+pywsgi would keep until the next request: the parsed request head once the environ
+holds it, and the encoded answer head once it is sent (unless gunicorn's own access
+line, which reads both, is on). A parked subscriber held 19.9 KiB of the worker's
+memory with them, 16.9 without (4,000 subscribers, scratch).
 """
 
 from __future__ import annotations
@@ -287,6 +291,11 @@ class PicoMQHandler(PyWSGIHandler):
         if self.gunicorn_access_log:
             super().log_request()
 
+    def _write_with_headers(self, data: bytes) -> None:
+        super()._write_with_headers(data)
+        if not self.gunicorn_access_log:  # its line reads both heads
+            self.response_headers = None
+
     def finalize_headers(self) -> None:
         if self.provided_date is None:
             self.provided_date = http_date(int(time.time()))
@@ -296,6 +305,8 @@ class PicoMQHandler(PyWSGIHandler):
     def get_environ(self) -> dict[str, Any]:
         environ = super().get_environ()
         environ[DIRECT_WRITER_ENVIRON_KEY] = self
+        if not self.gunicorn_access_log:  # read_request parses the next head anew
+            self.headers = None
         self.wsgi_input.__class__ = ShortReadInput
         if self.url_scheme is not None:
             environ["wsgi.url_scheme"] = self.url_scheme

@@ -309,10 +309,20 @@ def test_every_answer_carries_the_current_date_once(server: Server) -> None:
 
 
 def test_gunicorn_s_access_log_is_written_when_asked_for(start_server: StartServer) -> None:
-    server = start_server(env={"GUNICORN_CMD_ARGS": "--access-logfile=-"})
+    """The handler keeps both heads for this line alone, which reads them."""
+    line_format = "'%(r)s %(s)s id=%({x-request-id}i)s'"
+    server = start_server(
+        env={"GUNICORN_CMD_ARGS": f"--access-logfile=- --access-logformat {line_format}"}
+    )
     url, path = created_stream(server)
-    requests.post(url, data=b"x", headers={"Content-Type": "text/plain"}, timeout=10)
+    request_id = f"worker-log-{uuid.uuid4().hex}"
+    requests.post(
+        url,
+        data=b"x",
+        headers={"Content-Type": "text/plain", "X-Request-Id": request_id},
+        timeout=10,
+    )
     deadline = time.monotonic() + 10
-    while f'"POST {path.decode()} HTTP/1.1" 204' not in server.managed.output():
+    while f"POST {path.decode()} HTTP/1.1 204 id={request_id}" not in server.managed.output():
         assert time.monotonic() < deadline, server.managed.output()[-2000:]
         time.sleep(0.05)
