@@ -26,10 +26,12 @@ from __future__ import annotations
 import io
 import time
 from collections.abc import Callable, Iterable
+from typing import Protocol
 
 from werkzeug.http import HTTP_STATUS_CODES
 
 from auth import PRIVATE_ANSWER_HEADERS, Verifier, bearer_credentials
+from fanout import DIRECT_WRITER_ENVIRON_KEY
 from logs import REQUEST_ID_HEADER, log_request, request_id_from
 from metrics import count_append, get_metrics
 from picomq import (
@@ -49,6 +51,13 @@ from picomq import (
     read_up_to,
 )
 from storage import AppendRequest, AppendResult
+
+
+class AnswerWriter(Protocol):
+    """The connection, as the server offers it in the environ (worker.py)."""
+
+    def send_whole_answer(self, status: str, fields: bytes) -> None:
+        """Send a bodiless answer: its status, then `fields`, whole header lines."""
 
 
 def environ_key(header: str) -> str:
@@ -113,17 +122,21 @@ class FastAppends:
         """What the view and the request hooks do once an append has succeeded."""
         status, headers = append_answer(result, produced_data=produced)
         request_id = request_id_from(environ.get("HTTP_X_REQUEST_ID"))
-        start_response(
-            f"{status} {HTTP_STATUS_CODES[status].upper()}",  # as werkzeug words it
-            [
-                *headers.items(),
-                *COMMON_HEADERS,
-                (REQUEST_ID_HEADER, request_id),
-                *self.closing_headers,
-                # As werkzeug sends an empty body: no length on a 204, "0" on a 200.
-                *(() if status == 204 else (("Content-Length", "0"),)),
-            ],
-        )
+        status_line = f"{status} {HTTP_STATUS_CODES[status].upper()}"  # as werkzeug words it
+        fields = [
+            *headers.items(),
+            *COMMON_HEADERS,
+            (REQUEST_ID_HEADER, request_id),
+            *self.closing_headers,
+            # As werkzeug sends an empty body: no length on a 204, "0" on a 200.
+            *(() if status == 204 else (("Content-Length", "0"),)),
+        ]
+        writer: AnswerWriter | None = environ.get(DIRECT_WRITER_ENVIRON_KEY)
+        if writer is None:  # another WSGI server
+            start_response(status_line, fields)
+        else:  # every value an offset, a number, fixed text or a checked request id
+            lines = "".join(f"{name}: {value}\r\n" for name, value in fields)
+            writer.send_whole_answer(status_line, lines.encode())
         count_append(self.metrics, content_type, body_bytes)
         remote_addr = environ.get("REMOTE_ADDR")
         log_request("POST", environ["PATH_INFO"], {}, status, remote_addr, started, request_id)

@@ -31,7 +31,8 @@ gevent's `sendall`, which waits for the socket to drain. Measured with bench/com
 (`--only fanout-10000`): p99 delivery latency to 10,000 subscribers 1.0 s → 0.7 s.
 The handler also offers its connection to the app, in the environ, as fanout.py's
 DirectWriter: the SSE fan-out writes events to parked subscribers through it, between
-the app's own writes, framed as pywsgi frames what the app yields.
+the app's own writes, framed as pywsgi frames what the app yields. And as fastpath.py's
+AnswerWriter: a plain append's answer goes out as one piece, made by the fast path.
 
 pywsgi reads each connection through a buffered file of 8 KiB, allocated when the
 connection opens: 80 MiB for 10,000 SSE subscribers, which read nothing after their
@@ -325,6 +326,32 @@ class PicoMQHandler(PyWSGIHandler):
 
     def send_rest(self, data: bytes) -> None:
         self._sendall(data)
+
+    # -- and as fastpath.py's AnswerWriter
+
+    def send_whole_answer(self, status: str, fields: bytes) -> None:
+        """A bodiless answer in one write, the bytes start_response and the first write
+        would send: status line, `fields` (whole header lines the caller vouches for),
+        Connection when due, Date.
+
+        pywsgi's start_response checks and encodes the headers one by one, and its first
+        write joins them again: 5.7 µs of the 150 a plain append costs (scratch timing),
+        spent on offsets, ids matched by a pattern and fixed text. Sent whole, the
+        appends-1 load gained 1.7 % and appends over 1,000 streams 3.6 % (medians of 3
+        and 4 alternated reps).
+        """
+        if self.close_connection or not self.worker.alive:
+            connection = b"Connection: close\r\n"
+        elif self.request_version == "HTTP/1.0":  # as pywsgi says it to HTTP/1.0 clients
+            connection = b"Connection: keep-alive\r\n"
+        else:
+            connection = b""
+        date = http_date(int(time.time()))
+        self.status, self._orig_status, self.code = status.encode(), status, int(status[:3])
+        head = b"HTTP/1.1 %s\r\n%s%sDate: %s\r\n\r\n" % (self.status, fields, connection, date)
+        self.response_headers = []
+        self.headers_sent = True
+        self._sendall(head)
 
     def handle(self) -> None:
         try:

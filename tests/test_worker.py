@@ -326,3 +326,59 @@ def test_gunicorn_s_access_log_is_written_when_asked_for(start_server: StartServ
     while f"POST {path.decode()} HTTP/1.1 204 id={request_id}" not in server.managed.output():
         assert time.monotonic() < deadline, server.managed.output()[-2000:]
         time.sleep(0.05)
+
+
+def answer_head(
+    server: Server, version: str, target: bytes, headers: dict[str, str]
+) -> list[bytes]:
+    """The head of the answer to one POST of b"x", as sent: status line, then field lines."""
+    lines = [b"POST " + target + b" " + version.encode(), b"Host: 127.0.0.1"]
+    fields = {"Content-Type": "text/plain", "Content-Length": "1", **headers}
+    lines += [f"{name}: {value}".encode() for name, value in fields.items()]
+    with socket.create_connection(server_address(server), timeout=SOCKET_TIMEOUT_SECONDS) as sock:
+        sock.sendall(b"\r\n".join(lines) + b"\r\n\r\nx")
+        received = b""
+        while b"\r\n\r\n" not in received:
+            chunk = sock.recv(4096)
+            assert chunk, f"connection closed before a whole head: {received!r}"
+            received += chunk
+    return received.split(b"\r\n\r\n", 1)[0].split(b"\r\n")
+
+
+def server_address(server: Server) -> tuple[str, int]:
+    return "127.0.0.1", urlsplit(server.url).port or 80
+
+
+@pytest.mark.parametrize(
+    ("version", "connection"),
+    [("HTTP/1.1", None), ("HTTP/1.1", "close"), ("HTTP/1.0", None), ("HTTP/1.0", "keep-alive")],
+)
+@pytest.mark.parametrize("producer", [False, True])
+def test_a_fast_append_is_answered_with_the_bytes_flask_s_answer_has(
+    server: Server, version: str, connection: str | None, producer: bool
+) -> None:
+    """The fast path sends its answer whole (send_whole_answer); through Flask (a query
+    string sends an append there) pywsgi makes the head: the same lines, in the same order."""
+    _, path = created_stream(server)
+    heads = []
+    for seq, target in enumerate((path, path + b"?through=flask")):
+        headers = {"X-Request-Id": "same-id"}
+        if connection is not None:
+            headers["Connection"] = connection
+        if producer:
+            headers.update({"Producer-Id": "p", "Producer-Epoch": "0", "Producer-Seq": str(seq)})
+        heads.append(answer_head(server, version, target, headers))
+    fast, flask = (
+        [line for line in head if not line.startswith((b"Date: ", b"Stream-Next-Offset: "))]
+        for head in heads
+    )
+    assert fast == [
+        line if not line.startswith(b"Producer-Seq: ") else b"Producer-Seq: 0" for line in flask
+    ]
+    assert fast[0] == (b"HTTP/1.1 200 OK" if producer else b"HTTP/1.1 204 NO CONTENT")
+    expected_connection = {None: None, "close": b"close", "keep-alive": b"keep-alive"}[connection]
+    if version == "HTTP/1.0" and connection is None:
+        expected_connection = b"close"
+    said = [line.split(b": ", 1)[1] for line in fast if line.startswith(b"Connection: ")]
+    assert said == ([] if expected_connection is None else [expected_connection])
+    assert [line for line in heads[0] if line.startswith(b"Date: ")] != []
