@@ -131,15 +131,17 @@ class FastAppends:
             # As werkzeug sends an empty body: no length on a 204, "0" on a 200.
             *(() if status == 204 else (("Content-Length", "0"),)),
         ]
+        count_append(self.metrics, content_type, body_bytes)
+        remote_addr = environ.get("REMOTE_ADDR")
+        log_request("POST", environ["PATH_INFO"], {}, status, remote_addr, started, request_id)
+        # The answer goes last. Sent before the two calls above, it cost one stream's
+        # appends 7 % and, on S3, a quarter of each batch (45 messages per PUT, not 60).
         writer: AnswerWriter | None = environ.get(DIRECT_WRITER_ENVIRON_KEY)
         if writer is None:  # another WSGI server
             start_response(status_line, fields)
         else:  # every value an offset, a number, fixed text or a checked request id
             lines = "".join(f"{name}: {value}\r\n" for name, value in fields)
             writer.send_whole_answer(status_line, lines.encode())
-        count_append(self.metrics, content_type, body_bytes)
-        remote_addr = environ.get("REMOTE_ADDR")
-        log_request("POST", environ["PATH_INFO"], {}, status, remote_addr, started, request_id)
 
     def grants_append(self, environ: dict, path: str) -> bool:
         """True when no token is needed, or the request's bearer token grants the append."""
