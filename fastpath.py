@@ -60,6 +60,19 @@ class AnswerWriter(Protocol):
         """Send a bodiless answer: its status, then `fields`, whole header lines."""
 
 
+def header_lines(fields: list[tuple[str, str]]) -> bytes:
+    """The fields as whole header lines, refused if a value would break its line.
+
+    Every value a plain append's answer carries is an offset, a number, fixed text or
+    a request id matched by its pattern; the check keeps it so (no header injection)
+    where pywsgi's start_response, which would check each field, is not called.
+    """
+    lines = "".join(f"{name}: {value}\r\n" for name, value in fields)
+    if lines.count("\r") != len(fields) or lines.count("\n") != len(fields):
+        raise ValueError("carriage return or line feed inside a header field")
+    return lines.encode()
+
+
 def environ_key(header: str) -> str:
     return "HTTP_" + header.upper().replace("-", "_")
 
@@ -139,9 +152,8 @@ class FastAppends:
         writer: AnswerWriter | None = environ.get(DIRECT_WRITER_ENVIRON_KEY)
         if writer is None:  # another WSGI server
             start_response(status_line, fields)
-        else:  # every value an offset, a number, fixed text or a checked request id
-            lines = "".join(f"{name}: {value}\r\n" for name, value in fields)
-            writer.send_whole_answer(status_line, lines.encode())
+        else:
+            writer.send_whole_answer(status_line, header_lines(fields))
 
     def grants_append(self, environ: dict, path: str) -> bool:
         """True when no token is needed, or the request's bearer token grants the append."""

@@ -336,8 +336,8 @@ class PicoMQHandler(PyWSGIHandler):
 
     def send_whole_answer(self, status: str, fields: bytes) -> None:
         """A bodiless answer in one write, the bytes start_response and the first write
-        would send: status line, `fields` (whole header lines the caller vouches for),
-        Connection when due, Date.
+        would send: status line, `fields` (whole header lines, checked by the caller:
+        fastpath.header_lines), Connection when due, Date.
 
         pywsgi's start_response checks and encodes the headers one by one, and its first
         write joins them again: 5.7 µs of the 150 a plain append costs (scratch timing),

@@ -18,6 +18,7 @@ from flask import Flask
 from werkzeug.test import Client
 
 from auth import mint_token
+from fastpath import header_lines
 from metrics import get_metrics
 from picomq import create_app
 from settings import Settings
@@ -331,3 +332,11 @@ def request_environ(method: str, path: str, headers: dict[str, str], body: bytes
 
 def unexpected_start_response(status: str, headers: list, exc_info: object = None) -> None:
     raise AssertionError(f"the fast path answered {status}")
+
+
+@pytest.mark.parametrize("value", ["a\r\nInjected: yes", "a\nInjected: yes", "a\rInjected: yes"])
+def test_a_field_value_that_would_break_its_line_is_refused(value: str) -> None:
+    """The fast path's answer skips pywsgi's start_response, and its check per field."""
+    assert header_lines([("Stream-Closed", "true")]) == b"Stream-Closed: true\r\n"
+    with pytest.raises(ValueError, match="inside a header field"):
+        header_lines([("Stream-Closed", "true"), ("X-Request-Id", value)])
