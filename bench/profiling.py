@@ -43,7 +43,9 @@ TOP = 12
 PERF_HERTZ = "999"
 # `perf report` lines: "  65.53%  libpython3.11.so.1.0", "  11.39%  0.02%  [k] __x64_sys_sendto"
 PERF_SHARE = re.compile(r"^\s*(?P<share>[0-9.]+)%\s+(?:[0-9.]+%\s+)?(?P<name>\S.*?)\s*$")
-SYSTEM_CALL = re.compile(r"\[k\] (?:__x64_sys|__do_sys)_(?P<call>\w+)$")
+# A call's entry points. Some kernels inline __x64_sys_write and __x64_sys_read into
+# ksys_write and ksys_read, so those are the only frames a write or read leaves.
+SYSTEM_CALL = re.compile(r"\[k\] (?:__x64_sys|__do_sys|ksys)_(?P<call>\w+)$")
 
 
 @contextmanager
@@ -109,7 +111,7 @@ def split_by_place(perf: str, recording: Path) -> list[str]:
     """The worker's time by shared object, and its system calls' shares of it."""
     report = [perf, "report", "-i", str(recording), "--stdio"]
     places = perf_shares([*report, "--no-children", "--sort", "dso", "-g", "none"])
-    calls: dict[str, float] = {}  # a call's entry points (__x64_sys_, __do_sys_): the first
+    calls: dict[str, float] = {}  # the first (largest) share of each call's entry points
     for share, name in perf_shares([*report, "--children", "--sort", "sym", "-g", "none"]):
         if match := SYSTEM_CALL.search(name):
             calls.setdefault(match["call"], share)
