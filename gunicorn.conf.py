@@ -102,8 +102,8 @@ def on_exit(server: object) -> None:
 
 
 def post_worker_init(worker: object) -> None:
-    """Let each worker count appends and write access lines once per turn of its event
-    loop (metrics.py's AppendCounts, logs.py's AccessLog). Imported in the worker: the
+    """Let each worker write its metric updates and access lines once per turn of its
+    event loop (metrics.py's TurnWrites, logs.py's AccessLog). Imported in the worker: the
     master must never import metrics."""
     import gevent
 
@@ -111,5 +111,5 @@ def post_worker_init(worker: object) -> None:
     from metrics import get_metrics
 
     defer = gevent.get_hub().loop.run_callback
-    get_metrics().append_counts.defer = defer
+    get_metrics().writes.defer = defer
     access_log.defer = defer

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
@@ -74,7 +75,8 @@ def sweep_forever(store: StreamStore, interval: float) -> None:
 def install_request_hooks(app: Flask, store: StreamStore) -> None:
     """One hook per request phase for both logs and metrics (each hook costs a call)."""
     metrics = get_metrics()
-    store.commit_observers.append(metrics.commit_batch_size.observe)
+    observe_batch_size = functools.partial(metrics.writes.observe, metrics.commit_batch_size)
+    store.commit_observers.append(observe_batch_size)
 
     @app.before_request
     def before() -> None:

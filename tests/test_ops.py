@@ -225,6 +225,55 @@ def test_metrics_sum_across_workers(start_server: StartServer, unique_stream: st
         assert samples['picomq_storage_requests_total{operation="put"}'] >= appended + 1
 
 
+def test_metric_updates_of_appends_answered_together_are_all_written(
+    start_server: StartServer, unique_stream: str
+) -> None:
+    """Appends committed together are answered in one turn of the worker's event loop,
+    which writes their metric updates in one go when it ends: none may be lost, and a
+    counter added up must come out as the sum of its updates."""
+    server = start_server(workers=1)
+    # Four streams: commits of several appends each, and several commits a turn.
+    paths = [f"{unique_stream}-{n}" for n in range(4)]
+    for path in paths:
+        create(server, path)
+    body = b'{"n":1}'
+    senders, rounds = 32, 10
+    start = threading.Barrier(senders)
+
+    def send(number: int) -> None:
+        start.wait(timeout=DEADLINE_SECONDS)
+        with requests.Session() as session:
+            for _ in range(rounds):
+                path = paths[number % len(paths)]
+                response = session.post(
+                    server.stream_url(path), data=body, headers={"Content-Type": JSON}, timeout=10
+                )
+                assert response.status_code == 204, response.text
+
+    before = scrape(server)
+    threads = [threading.Thread(target=send, args=(n,)) for n in range(senders)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=DEADLINE_SECONDS)
+    after = scrape(server)
+
+    def added(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    appended = senders * rounds
+    assert added('picomq_appends_total{content_type="application/json"}') == appended
+    assert added('picomq_append_bytes_total{content_type="application/json"}') == appended * len(
+        body
+    )
+    assert added("picomq_commit_batch_size_sum") == appended
+    commits = added("picomq_commit_batch_size_count")
+    assert 0 < commits <= appended
+    puts = added('picomq_storage_requests_total{operation="put"}')
+    assert puts == added('picomq_storage_seconds_count{operation="put"}')
+    assert puts >= commits  # one segment per commit
+
+
 def test_appends_count_under_their_own_content_type(server: Server, unique_stream: str) -> None:
     bodies = {JSON: [b'{"n":1}', b'[{"n":2},{"n":3}]'], "text/plain": [b"hello", b"hi"]}
     before = scrape(server)
