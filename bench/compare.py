@@ -90,6 +90,8 @@ class Settings:
     server_core: int
     profile: bool
     profile_dir: Path
+    picomq_tree: Path = servers.REPO_DIR  # whose code PicoMQ runs (bench/ab.py: two trees)
+    picomq_env: dict[str, str] = field(default_factory=dict)  # PICOMQ_* and the like
 
 
 @dataclass
@@ -116,21 +118,13 @@ def parse_arguments() -> argparse.Namespace:
         default="all",
         help=f"comma-separated loads or groups: {', '.join([*loads.GROUPS, *names])}",
     )
-    parser.add_argument("--reps", type=int, default=3, help="reps per load and server (default 3)")
-    parser.add_argument(
-        "--duration",
-        type=int,
-        default=10,
-        help=f"seconds of each timed load, 1–{MAX_DURATION_SECONDS} (default 10)",
-    )
+    add_harness_arguments(parser, reps=3, duration=10)
     parser.add_argument("--connections", type=int, default=64, help="wrk connections, load 1")
     parser.add_argument("--streams", type=int, default=1000, help="streams for load 1's spread")
     parser.add_argument("--batch-connections", type=int, default=8, help="wrk connections, load 2")
     parser.add_argument("--catchup-mb", type=int, default=50, help="stream size for load 3, MB")
     parser.add_argument("--events", type=int, default=500, help="live events timed, load 4")
     parser.add_argument("--idle-streams", type=int, default=10, help="streams for the S3 idle load")
-    parser.add_argument("--server-core", type=int, default=0, help="core the servers run on")
-    parser.add_argument("--client-core", type=int, default=1, help="core the clients run on")
     parser.add_argument(
         "--readme", action="store_true", help="write the figures into bench/README.md"
     )
@@ -142,10 +136,7 @@ def parse_arguments() -> argparse.Namespace:
         " (figures read a little low)",
     )
     arguments = parser.parse_args()
-    if not 1 <= arguments.duration <= MAX_DURATION_SECONDS:
-        parser.error(f"--duration must be 1–{MAX_DURATION_SECONDS} seconds")
-    if arguments.reps < 1:
-        parser.error("--reps must be at least 1")
+    check_harness_arguments(parser, arguments)
     selected = []
     for name in arguments.only.split(","):
         name = name.strip()
@@ -159,6 +150,26 @@ def parse_arguments() -> argparse.Namespace:
             parser.error(f"unknown load {name!r}")
     arguments.selected = [load for load in LOADS if load.name in selected]
     return arguments
+
+
+def add_harness_arguments(parser: argparse.ArgumentParser, *, reps: int, duration: int) -> None:
+    """The options compare.py and ab.py share: reps, each load's length, the two cores."""
+    parser.add_argument("--reps", type=int, default=reps, help=f"reps of each (default {reps})")
+    parser.add_argument(
+        "--duration",
+        type=int,
+        default=duration,
+        help=f"seconds of each timed load, 1–{MAX_DURATION_SECONDS} (default {duration})",
+    )
+    parser.add_argument("--server-core", type=int, default=0, help="core the servers run on")
+    parser.add_argument("--client-core", type=int, default=1, help="core the clients run on")
+
+
+def check_harness_arguments(parser: argparse.ArgumentParser, arguments: argparse.Namespace) -> None:
+    if not 1 <= arguments.duration <= MAX_DURATION_SECONDS:
+        parser.error(f"--duration must be 1–{MAX_DURATION_SECONDS} seconds")
+    if arguments.reps < 1:
+        parser.error("--reps must be at least 1")
 
 
 def main() -> None:
@@ -229,7 +240,7 @@ def measure(
     run = Run(load.name, name, rep)
     started: list[servers.Server] = []
     try:
-        target = start_target(load, name, work_dir, settings.server_core, started)
+        target = start_target(load, name, work_dir, settings, started)
         profile = settings.profile_dir / f"{load.name}-rep{rep + 1}.txt"
         with (
             profiled(target.server, profile, run.profile)
@@ -278,11 +289,14 @@ def evict_from_page_cache(root: Path) -> None:
 
 
 def start_target(
-    load: Load, name: str, work_dir: Path, core: int, started: list[servers.Server]
+    load: Load, name: str, work_dir: Path, settings: Settings, started: list[servers.Server]
 ) -> Target:
+    core = settings.server_core
     if not load.s3:
-        maker = servers.picomq if name == "picomq" else servers.reference
-        server = maker(work_dir, core)
+        if name == "picomq":
+            server = servers.picomq(work_dir, core, settings.picomq_env, settings.picomq_tree)
+        else:
+            server = servers.reference(work_dir, core)
         started.append(server)
         return Target(server.start(), work_dir)
     moto = servers.moto(work_dir)
@@ -291,10 +305,11 @@ def start_target(
     requests.put(f"{moto.url}/{loads.S3_BUCKET}", timeout=10).raise_for_status()
     environment = {
         **loads.S3_ENVIRONMENT,
+        **settings.picomq_env,
         "AWS_ENDPOINT_URL": moto.url,
         "PICOMQ_STORAGE_URL": f"s3://{loads.S3_BUCKET}/picomq",
     }
-    server = servers.picomq(work_dir, core, environment)
+    server = servers.picomq(work_dir, core, environment, settings.picomq_tree)
     started.append(server)
     return Target(server.start(), work_dir, moto)
 
@@ -411,9 +426,11 @@ def git(*arguments: str) -> str:
     return subprocess.run(command, capture_output=True, text=True).stdout.strip()
 
 
-def save(machine: dict[str, str], command: str, stamp: str, runs: list[Run]) -> None:
+def save(
+    machine: dict[str, str], command: str, stamp: str, runs: list[Run], kind: str = "compare"
+) -> None:
     RESULTS_DIR.mkdir(exist_ok=True)
-    path = RESULTS_DIR / f"compare-{stamp}.json"
+    path = RESULTS_DIR / f"{kind}-{stamp}.json"
     record = {**machine, "command": command, "runs": [asdict(run) for run in runs]}
     path.write_text(json.dumps(record, indent=1, default=str))
     print(f"raw figures: {path.relative_to(servers.REPO_DIR)}")

@@ -97,15 +97,26 @@ def pinned(core: int | None, command: list[str]) -> list[str]:
     return command if core is None else ["taskset", "-c", str(core), *command]
 
 
-def picomq(work_dir: Path, core: int | None, extra_env: dict[str, str] | None = None) -> Server:
-    """PicoMQ as deployed: gunicorn.conf.py, one gevent worker, data in work_dir/data."""
-    return served_as_picomq("picomq", "wsgi:app", work_dir, core, extra_env)
+def picomq(
+    work_dir: Path,
+    core: int | None,
+    extra_env: dict[str, str] | None = None,
+    tree: Path = REPO_DIR,
+) -> Server:
+    """PicoMQ as deployed: gunicorn.conf.py, one gevent worker, data in work_dir/data;
+    the code of `tree` (a checkout of this repository; bench/ab.py passes another)."""
+    return served_as_picomq("picomq", "wsgi:app", work_dir, core, extra_env, tree)
 
 
 def served_as_picomq(
-    name: str, app: str, work_dir: Path, core: int | None, extra_env: dict[str, str] | None = None
+    name: str,
+    app: str,
+    work_dir: Path,
+    core: int | None,
+    extra_env: dict[str, str] | None = None,
+    tree: Path = REPO_DIR,
 ) -> Server:
-    """The WSGI `app` ("module:variable") served exactly as PicoMQ is.
+    """The WSGI `app` ("module:variable") of `tree` served exactly as PicoMQ is.
 
     gunicorn.conf.py (its worker class and settings), one worker, PICOMQ_* settings
     from `extra_env` only, pinned to `core`, data in work_dir/data. bench/ceiling.py
@@ -130,7 +141,7 @@ def served_as_picomq(
     return Server(
         name=name,
         command=pinned(core, command),
-        cwd=REPO_DIR,
+        cwd=tree,
         env=env,
         log_path=work_dir / "server.log",
         port=port,
