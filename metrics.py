@@ -67,9 +67,9 @@ class TurnWrites:
     shared, are answered in one turn of the loop, so under the gevent worker, which
     sets `defer` (gunicorn.conf.py), counters are added up and histograms observed one
     after the other when the turn ends. Over 1,000 streams, where each append is a
-    commit of its own, that made 5 % more appends a second (4,649 against 4,426, 4
-    alternated reps of bench/compare.py's load), about what taking the storage metrics
-    out altogether gained. Without `defer` every update is written at once.
+    commit of its own, that made 3.5 % more appends a second, every pair of reps ahead
+    (`bench/ab.py 4c3fe6e --new 74d6d95 --load appends-1000 --reps 6`: 4,570 against
+    4,416), p99 unchanged. Without `defer` every update is written at once.
     """
 
     def __init__(self) -> None:
