@@ -76,19 +76,15 @@ def checked_out(revision: str | None) -> Iterator[Path]:
         return
     tree = Path(tempfile.mkdtemp(prefix="picomq-ab-"))
     try:
-        git("worktree", "add", "--detach", str(tree), revision)
-    except subprocess.CalledProcessError:  # git has said why
+        compare.git("worktree", "add", "--detach", str(tree), revision, check=True)
+    except subprocess.CalledProcessError as error:
         shutil.rmtree(tree, ignore_errors=True)
-        raise SystemExit(f"ab.py: cannot check out {revision!r}") from None
+        raise SystemExit(f"ab.py: cannot check out {revision!r}: {error.stderr.strip()}") from None
     try:
         yield tree
     finally:
-        git("worktree", "remove", "--force", str(tree))
+        compare.git("worktree", "remove", "--force", str(tree))
         shutil.rmtree(tree, ignore_errors=True)
-
-
-def git(*arguments: str) -> None:
-    subprocess.run(["git", "-C", str(servers.REPO_DIR), *arguments], check=True)
 
 
 def main() -> None:

@@ -424,9 +424,10 @@ def describe_machine(open_files: int) -> dict[str, str]:
     }
 
 
-def git(*arguments: str) -> str:
+def git(*arguments: str, check: bool = False) -> str:
+    """git's output in this repository; `check`: raise CalledProcessError if it fails."""
     command = ["git", "-C", str(servers.REPO_DIR), *arguments]
-    return subprocess.run(command, capture_output=True, text=True).stdout.strip()
+    return subprocess.run(command, capture_output=True, text=True, check=check).stdout.strip()
 
 
 def save(
