@@ -582,7 +582,7 @@ class StreamStore:
             raise StreamNotFound(f"stream {path} not found") from error
         source, base = None, 0
         if config.fork:
-            source = self._source_handle(config.fork)
+            source = self._source_handle(path, identity, config.fork)
             base = config.fork.point
         stream = _Stream(config, identity, StreamState(tail=base), base, source)
         stream.last_access = config.created_at
@@ -701,16 +701,26 @@ class StreamStore:
             self._index(stream)
         return stream
 
-    def _source_handle(self, fork: ForkOrigin) -> _Stream:
-        """A fork's source, by incarnation: soft-deleted and expired sources still serve."""
+    def _source_handle(self, path: str, identity: object, fork: ForkOrigin) -> _Stream:
+        """The source of the fork at `path` (its meta.json `identity`), by incarnation:
+        soft-deleted and expired sources still serve.
+
+        A source goes only after its forks. Without it, either the fork was deleted
+        since its meta.json was read, freeing the source (which may have been created
+        again since), or storage lost the source.
+        """
         stream = self._streams.get(fork.source)
         if stream is not None and stream.config.incarnation == fork.source_incarnation:
             return self._fresh(stream)
-        identity = self.objects.identity(_meta_key(fork.source))
-        stream = self._load(fork.source, identity)
-        if stream.config.incarnation != fork.source_incarnation:
-            raise StorageUnavailable(f"fork source {fork.source} is missing from storage")
-        return stream
+        try:
+            stream = self._load(fork.source, self.objects.identity(_meta_key(fork.source)))
+        except StreamNotFound:
+            stream = None
+        if stream is not None and stream.config.incarnation == fork.source_incarnation:
+            return stream
+        if self.objects.identity(_meta_key(path)) != identity:
+            raise StreamNotFound(f"stream {path} was deleted")
+        raise StorageUnavailable(f"fork source {fork.source} is missing from storage")
 
     def _remember(self, path: str, stream: _Stream) -> None:
         self._streams[path] = stream

@@ -27,7 +27,7 @@ from gevent.event import Event
 import compaction
 import localdisk
 import storage
-from objectstore import ObjectStore
+from objectstore import ObjectStore, StorageUnavailable
 from segments import CorruptSegment, StreamState, decode_header, encode_segment
 from storage import (
     AppendRequest,
@@ -676,6 +676,45 @@ def test_a_source_whose_last_fork_goes_while_it_is_deleted_is_freed(
     around(first, "create", f"{prefix}/gone", **{when: lambda: second.delete("fork")})
     first.delete("source")
     assert_freed(make_store(), prefix, "source", "fork")
+
+
+def soft_deleted_source_with_a_fork(make_store: MakeStore) -> StreamStore:
+    """The store that created "source" ("data"), forked it as "fork", then deleted it."""
+    first = make_store()
+    first.create("source", CreateRequest(TEXT, payload=Payload(b"data")))
+    first.create("fork", CreateRequest("", fork_source="source"))
+    first.delete("source")  # soft: kept for the fork
+    return first
+
+
+@pytest.mark.parametrize("source_after", ["created again", "gone"])
+def test_a_fork_deleted_while_a_store_loads_it_is_not_found(
+    make_store: MakeStore, source_after: str
+) -> None:
+    """Loading a fork reads its meta.json, then looks up its source. In between another
+    node deletes the fork, which frees its soft-deleted source, and may create the source
+    again: the fork is not found (a PUT creates it anew), rather than a 503 that says
+    storage lost its source."""
+    first = soft_deleted_source_with_a_fork(make_store)
+
+    def delete_fork() -> None:
+        first.delete("fork")
+        if source_after == "created again":
+            first.create("source", CreateRequest(TEXT))
+
+    second = make_store()
+    around(second, "identity", "streams/source/meta.json", before=delete_fork)
+    with pytest.raises(StreamNotFound, match="stream fork "):
+        second.head("fork")
+
+
+def test_a_fork_whose_source_storage_lost_is_unavailable(make_store: MakeStore) -> None:
+    """A source goes only after its forks: a fork still there without its source says
+    storage lost data (503), not that the fork is not found."""
+    first = soft_deleted_source_with_a_fork(make_store)
+    first.objects.delete("streams/source/meta.json")
+    with pytest.raises(StorageUnavailable, match="fork source source is missing"):
+        make_store().head("fork")
 
 
 def test_concurrent_creates_of_one_fork_keep_the_winner_s_marker(
