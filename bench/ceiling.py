@@ -16,6 +16,10 @@
    behind a bare WSGI callable (bench/bare_append_app.py): each POST's body goes
    straight to the JSON split and `StreamStore.append`, with no Flask request, hooks,
    metrics or access line. The difference is what PicoMQ's HTTP layer costs an append.
+   Then compare.py's appends-1000 load (the same POSTs, round-robin over 1,000
+   streams, so no two appends share a commit) to PicoMQ, to its store without Flask,
+   and to that store with its data on tmpfs: the most the store takes over 1,000
+   streams when its writes cost nothing but the work of each commit.
    Under all of these, a bare WSGI callable (`bench.trivial_app:bare`: read the body,
    answer 204, no Flask) takes the single-append load: the most this worker serves.
    First of all, the trivial app answers one POST at a time on one connection: an HTTP
@@ -151,6 +155,9 @@ STACKS: tuple[tuple[str, str, Callable[[Target, Options], Result], bool], ...] =
     ("picomq_batch_memory", "wsgi:app", loads.batched_appends, True),
     ("bare_store", BARE_STORE_APP, loads.appends_one_stream, False),
     ("bare_store_batch", BARE_STORE_APP, loads.batched_appends, False),
+    ("picomq_many", "wsgi:app", loads.appends_many_streams, False),
+    ("bare_store_many", BARE_STORE_APP, loads.appends_many_streams, False),
+    ("bare_store_many_memory", BARE_STORE_APP, loads.appends_many_streams, True),
     ("paced_bare", "bench.trivial_app:bare", paced_round_trips, False),
     ("paced_trivial", "bench.trivial_app:app", paced_round_trips, False),
     ("live_sse", "wsgi:app", loads.live_sse, False),
@@ -257,7 +264,7 @@ def measure_stack(
             shutil.rmtree(memory_dir, ignore_errors=True)  # tmpfs keeps it in memory till then
     notes += [f"{name}: {note}" for note in result.notes]
     figures = result.figures
-    line = f"{name:21} p50 {figures['p50_ms']:.2f} ms · p99 {figures['p99_ms']:.2f} ms"
+    line = f"{name:22} p50 {figures['p50_ms']:.2f} ms · p99 {figures['p99_ms']:.2f} ms"
     if "msgs_per_s" in figures:  # all but the live loads
         line += f" · {figures['msgs_per_s']:,.0f} messages/s"
     if "mb_per_s" in figures:  # the wrk loads
@@ -496,6 +503,21 @@ def format_table(figures: dict[str, Figures], arguments: argparse.Namespace) -> 
             (("mb_per_s", "MB/s of bodies (2xx)", "{:,.1f}"), *served),
         ),
         (
+            f"(1) PicoMQ, round-robin over {Options.streams:,} streams, {load}",
+            "picomq_many",
+            (("msgs_per_s", "messages/s (2xx)", "{:,.0f}"), *served),
+        ),
+        (
+            f"(1) PicoMQ's store without Flask, {Options.streams:,} streams, {load}",
+            "bare_store_many",
+            (("msgs_per_s", "messages/s (2xx)", "{:,.0f}"), *served),
+        ),
+        (
+            f"(1) the same, data on tmpfs ({MEMORY_FILESYSTEM}): no disk work",
+            "bare_store_many_memory",
+            (("msgs_per_s", "messages/s (2xx)", "{:,.0f}"), *served),
+        ),
+        (
             f"(1) PicoMQ's JSON check and split of one such body, {JSON_PARSES} times, here",
             "json_parse",
             (*latency, ("mb_per_s", "MB/s (1 ÷ p50)", "{:,.1f}")),
@@ -551,6 +573,7 @@ def format_table(figures: dict[str, Figures], arguments: argparse.Namespace) -> 
     for served_by, bare, figure, unit in (
         ("picomq", "bare_store", "msgs_per_s", "messages/s"),
         ("picomq_batch", "bare_store_batch", "mb_per_s", "MB/s"),
+        ("picomq_many", "bare_store_many", "msgs_per_s", "messages/s"),
     ):
         through_flask, without = figures.get(served_by, {}), figures.get(bare, {})
         if without.get(figure) and figure in through_flask:
