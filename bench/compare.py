@@ -224,7 +224,7 @@ def work_area(keep: bool) -> Iterator[Path]:
         else:
             shutil.rmtree(root, ignore_errors=True)
             # Written back, the deleted inodes hold up the next run's creates for 60 s
-            # instead of up to 300 (ext4 without a journal; bench/README.md, ab.py).
+            # instead of up to 360 (ext4 without a journal; bench/README.md, ab.py).
             os.sync()
 
 
