@@ -29,15 +29,13 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import gevent  # noqa: E402
-from loads import message  # noqa: E402
+from loads import JSON_TYPE, Options, message  # noqa: E402
 from servers import REPO_DIR  # noqa: E402
 
 sys.path.insert(0, str(REPO_DIR))
 from objectstore import ObjectStore  # noqa: E402
 from storage import AppendRequest, CreateRequest, Payload, StoreSettings, StreamStore  # noqa: E402
 
-JSON_TYPE = "application/json"
-APPENDERS = 64
 MAX_APPENDS = 1_000_000  # bounded: about a minute on one core
 
 
@@ -67,8 +65,9 @@ def main() -> None:
             for turn in turns:
                 store.append(paths[turn % len(paths)], request)
 
+        appenders = [gevent.spawn(append_in_turn) for _ in range(Options.connections)]
         cpu_before, started = time.process_time(), time.perf_counter()
-        gevent.joinall([gevent.spawn(append_in_turn) for _ in range(APPENDERS)], raise_error=True)
+        gevent.joinall(appenders, raise_error=True)
         cpu, seconds = time.process_time() - cpu_before, time.perf_counter() - started
     finally:
         shutil.rmtree(root, ignore_errors=True)
