@@ -19,7 +19,9 @@
    Then compare.py's appends-1000 load (the same POSTs, round-robin over 1,000
    streams, so no two appends share a commit) to PicoMQ, to its store without Flask,
    and to that store with its data on tmpfs: the most the store takes over 1,000
-   streams when its writes cost nothing but the work of each commit.
+   streams when its writes cost nothing but the work of each commit. Last, the same
+   load to PicoMQ with its store's appends answered at once (bench/storeless_app.py):
+   the most PicoMQ could take with a store that cost nothing.
    Under all of these, a bare WSGI callable (`bench.trivial_app:bare`: read the body,
    answer 204, no Flask) takes the single-append load: the most this worker serves.
    First of all, the trivial app answers one POST at a time on one connection: an HTTP
@@ -158,6 +160,7 @@ STACKS: tuple[tuple[str, str, Callable[[Target, Options], Result], bool], ...] =
     ("picomq_many", "wsgi:app", loads.appends_many_streams, False),
     ("bare_store_many", BARE_STORE_APP, loads.appends_many_streams, False),
     ("bare_store_many_memory", BARE_STORE_APP, loads.appends_many_streams, True),
+    ("storeless_many", "bench.storeless_app:app", loads.appends_many_streams, False),
     ("paced_bare", "bench.trivial_app:bare", paced_round_trips, False),
     ("paced_trivial", "bench.trivial_app:app", paced_round_trips, False),
     ("live_sse", "wsgi:app", loads.live_sse, False),
@@ -515,6 +518,12 @@ def format_table(figures: dict[str, Figures], arguments: argparse.Namespace) -> 
         (
             f"(1) the same, data on tmpfs ({MEMORY_FILESYSTEM}): no disk work",
             "bare_store_many_memory",
+            (("msgs_per_s", "messages/s (2xx)", "{:,.0f}"), *served),
+        ),
+        (
+            "(1) PicoMQ, its store's appends answered at once (bench/storeless_app.py), "
+            f"{Options.streams:,} streams, {load}",
+            "storeless_many",
             (("msgs_per_s", "messages/s (2xx)", "{:,.0f}"), *served),
         ),
         (
