@@ -19,7 +19,7 @@
    Then compare.py's appends-1000 load (the same POSTs, round-robin over 1,000
    streams, so no two appends share a commit) to PicoMQ, to its store without Flask,
    and to that store with its data on tmpfs: the most the store takes over 1,000
-   streams when its writes cost nothing but the work of each commit. Last, the same
+   streams when its writes cost nothing but the work of each commit. Then the same
    load to PicoMQ with its store's appends answered at once (bench/storeless_app.py):
    the most PicoMQ could take with a store that cost nothing.
    Under all of these, a bare WSGI callable (`bench.trivial_app:bare`: read the body,
