@@ -443,6 +443,8 @@ def format_table(figures: dict[str, Figures], arguments: argparse.Namespace) -> 
         ("server_cpu_pct", "server CPU % of a core", "{:.0f}"),
         ("client_cpu_pct", "client CPU % of a core", "{:.0f}"),
     )
+    messages = (("msgs_per_s", "messages/s (2xx)", "{:,.0f}"), *served)
+    megabytes = (("mb_per_s", "MB/s of bodies (2xx)", "{:,.1f}"), *served)
     latency = (("p50_ms", "p50 ms", "{:,.2f}"), ("p99_ms", "p99 ms", "{:,.2f}"))
     one_at_a_time = f"{len(OBJECT)}-byte objects, {arguments.creates} one at a time"
     batch_kb = len(loads.batch(loads.BATCH_MESSAGES)) // 1000
@@ -473,58 +475,58 @@ def format_table(figures: dict[str, Figures], arguments: argparse.Namespace) -> 
         (
             f"(1) PicoMQ, 1 stream, {load}",
             "picomq",
-            (("msgs_per_s", "messages/s (2xx)", "{:,.0f}"), *served),
+            messages,
         ),
         (
             f"(1) trivial Flask app, {batched}",
             "trivial_batch",
-            (("mb_per_s", "MB/s of bodies (2xx)", "{:,.1f}"), *served),
+            megabytes,
         ),
         (
             f"(1) PicoMQ, 1 stream, {batched}",
             "picomq_batch",
-            (("mb_per_s", "MB/s of bodies (2xx)", "{:,.1f}"), *served),
+            megabytes,
         ),
         (
             f"(1) PicoMQ, 1 stream, the same bodies as {OCTETS} (no JSON work)",
             "picomq_bytes",
-            (("mb_per_s", "MB/s of bodies (2xx)", "{:,.1f}"), *served),
+            megabytes,
         ),
         (
             f"(1) PicoMQ, 1 stream, {batched}, data on tmpfs ({MEMORY_FILESYSTEM})",
             "picomq_batch_memory",
-            (("mb_per_s", "MB/s of bodies (2xx)", "{:,.1f}"), *served),
+            megabytes,
         ),
         (
             f"(1) PicoMQ's store without Flask (bench/bare_append_app.py), 1 stream, {load}",
             "bare_store",
-            (("msgs_per_s", "messages/s (2xx)", "{:,.0f}"), *served),
+            messages,
         ),
         (
             f"(1) PicoMQ's store without Flask, 1 stream, {batched}",
             "bare_store_batch",
-            (("mb_per_s", "MB/s of bodies (2xx)", "{:,.1f}"), *served),
+            megabytes,
         ),
         (
             f"(1) PicoMQ, round-robin over {Options.streams:,} streams, {load}",
             "picomq_many",
-            (("msgs_per_s", "messages/s (2xx)", "{:,.0f}"), *served),
+            messages,
         ),
         (
             f"(1) PicoMQ's store without Flask, {Options.streams:,} streams, {load}",
             "bare_store_many",
-            (("msgs_per_s", "messages/s (2xx)", "{:,.0f}"), *served),
+            messages,
         ),
         (
             f"(1) the same, data on tmpfs ({MEMORY_FILESYSTEM}): no disk work",
             "bare_store_many_memory",
-            (("msgs_per_s", "messages/s (2xx)", "{:,.0f}"), *served),
+            messages,
         ),
         (
             "(1) PicoMQ, its store's appends answered at once (bench/storeless_app.py), "
             f"{Options.streams:,} streams, {load}",
             "storeless_many",
-            (("msgs_per_s", "messages/s (2xx)", "{:,.0f}"), *served),
+            messages,
         ),
         (
             f"(1) PicoMQ's JSON check and split of one such body, {JSON_PARSES} times, here",
