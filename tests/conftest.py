@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 import processes
 import pytest
 import requests
+from faultproxy import FaultProxy
 
 REPO_DIR = Path(__file__).resolve().parent.parent
 BIN_DIR = Path(sys.executable).parent
@@ -232,6 +233,25 @@ def start_moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[]
     yield start
     for managed in started:
         managed.stop()
+
+
+@dataclass
+class ProxiedS3:
+    """A moto_server of the test's own, reached only through `proxy`."""
+
+    moto: ManagedProcess
+    proxy: FaultProxy
+    url: str
+    env: dict[str, str]
+
+
+@pytest.fixture
+def proxied_s3(start_moto: Callable[[], ManagedProcess]) -> Iterator[ProxiedS3]:
+    moto = start_moto()
+    proxy = FaultProxy(f"http://127.0.0.1:{moto.port}")
+    bucket = create_bucket(proxy.url)
+    yield ProxiedS3(moto, proxy, f"s3://{bucket}/picomq", s3_environment(proxy.url))
+    proxy.stop()
 
 
 def s3_environment(endpoint: str) -> dict[str, str]:

@@ -15,7 +15,8 @@ records it. Faults are switched at run time with `FaultProxy.set_faults`:
   the same port.
 
 Requests are counted by method whatever happens to them; `log()` lists
-(method, path, status, query) for each, status 0 for a dropped connection.
+(method, path, status, query) for each, status 0 for a dropped connection, and when
+each began and ended in one sequence of events, so a test can tell which overlapped.
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ class Record:
     path: str
     status: int
     query: str = ""
+    began: int = 0  # event numbers: two requests overlapped if each began before the
+    ended: int = 0  # other ended
 
 
 @dataclass
@@ -88,7 +91,13 @@ class _Shared:
     random: random.Random = field(default_factory=lambda: random.Random(1234))
     records: list[Record] = field(default_factory=list)
     injected: Counter[str] = field(default_factory=Counter)
+    events: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def next_event(self) -> int:
+        with self.lock:
+            self.events += 1
+            return self.events
 
     def decide(self, method: str, path: str) -> tuple[Faults, bool, bool, bool]:
         """(faults, down, fail this one, drop this one), decided once per request."""
@@ -105,10 +114,13 @@ class _Shared:
                 self.faults = replace(faults, limit=faults.limit - 1)
             return faults, down, fail, drop
 
-    def record(self, method: str, target: str, status: int, injected: str | None = None) -> None:
+    def record(
+        self, method: str, target: str, status: int, began: int, injected: str | None = None
+    ) -> None:
         parts = urlsplit(target)
         with self.lock:
-            self.records.append(Record(method, parts.path, status, parts.query))
+            self.events += 1
+            self.records.append(Record(method, parts.path, status, parts.query, began, self.events))
             if injected:
                 self.injected[injected] += 1
 
@@ -128,10 +140,11 @@ class _Handler(BaseHTTPRequestHandler):
     def relay(self) -> None:
         shared = self.server.shared
         body = self.read_body()
+        self.began = shared.next_event()
         path = self.path
         faults, down, fail, drop = shared.decide(self.command, urlsplit(path).path)
         if down:
-            shared.record(self.command, path, 0, "down")
+            shared.record(self.command, path, 0, self.began, "down")
             return self.drop_connection()
         if faults.delay_ms:
             time.sleep(faults.delay_ms / 1000)
@@ -140,11 +153,11 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             status, reason, headers, response_body = self.forward(body)
         except OSError:
-            shared.record(self.command, path, 0, "upstream-error")
+            shared.record(self.command, path, 0, self.began, "upstream-error")
             return self.drop_connection()
         if fail or drop:
             return self.inject(path, faults, fail)
-        shared.record(self.command, path, status)
+        shared.record(self.command, path, status, self.began)
         self.send_response_only(status, reason)
         for name, value in headers:
             self.send_header(name, value)
@@ -212,10 +225,10 @@ class _Handler(BaseHTTPRequestHandler):
     def inject(self, path: str, faults: Faults, fail: bool) -> None:
         shared = self.server.shared
         if not fail:
-            shared.record(self.command, path, 0, "drop")
+            shared.record(self.command, path, 0, self.began, "drop")
             return self.drop_connection()
         status = faults.fail_status
-        shared.record(self.command, path, status, f"fail-{status}")
+        shared.record(self.command, path, status, self.began, f"fail-{status}")
         code = ERROR_CODES.get(status, "InternalError")
         body = (
             f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'

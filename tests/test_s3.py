@@ -27,7 +27,6 @@ import statistics
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -42,7 +41,7 @@ from faultproxy import FaultProxy, Record
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from conftest import S3Storage, Server, StartServer
+    from conftest import ProxiedS3, S3Storage, Server, StartServer
 
 NEXT_OFFSET = "Stream-Next-Offset"
 UP_TO_DATE = "Stream-Up-To-Date"
@@ -82,28 +81,6 @@ IDLE_WINDOW_SECONDS = 3.0
 LONG_POLL_WINDOW_SECONDS = 6.0
 LONG_POLL_TIMEOUT = 2.0
 INCARNATION = re.compile(r"[0-9a-f]{16}")
-
-
-# -- S3 behind a fault proxy ----------------------------------------------------------------
-
-
-@dataclass
-class ProxiedS3:
-    """A moto_server of the test's own, reached only through `proxy`."""
-
-    moto: ManagedProcess
-    proxy: FaultProxy
-    url: str
-    env: dict[str, str]
-
-
-@pytest.fixture
-def proxied_s3(start_moto: Callable[[], ManagedProcess]) -> Iterator[ProxiedS3]:
-    moto = start_moto()
-    proxy = FaultProxy(f"http://127.0.0.1:{moto.port}")
-    bucket = create_bucket(proxy.url)
-    yield ProxiedS3(moto, proxy, f"s3://{bucket}/picomq", s3_environment(proxy.url))
-    proxy.stop()
 
 
 # -- HTTP helpers -----------------------------------------------------------------------------
