@@ -53,6 +53,7 @@ from storage import (
     StreamStore,
     is_json_type,
 )
+from streamlocks import StreamLocks
 
 log = logging.getLogger("picomq")
 
@@ -419,7 +420,10 @@ def empty_body(info: StreamInfo) -> bytes:
 
 
 def create_store(settings: Settings) -> StreamStore:
-    """Object stores bill per request: check them less often than a local disk."""
+    """Object stores bill per request: check them less often than a local disk.
+
+    Several workers take turns at a stream's commits; one worker needs no lock for it.
+    """
     objects = MeasuredObjectStore(settings.storage_url)
     local = objects.is_local
     store_settings = StoreSettings(
@@ -437,7 +441,8 @@ def create_store(settings: Settings) -> StreamStore:
         retention_age=settings.retention_age,
         retention_bytes=settings.retention_bytes,
     )
-    return StreamStore(objects, store_settings)
+    writer_locks = StreamLocks.for_root(objects.root) if settings.workers > 1 else None
+    return StreamStore(objects, store_settings, writer_locks)
 
 
 class StreamApp(Flask):

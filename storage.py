@@ -49,6 +49,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import TYPE_CHECKING
@@ -75,6 +76,8 @@ from wakeups import Wakeups
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
+
+    from streamlocks import StreamLocks
 
 __all__ = ["StorageUnavailable"]
 
@@ -471,9 +474,17 @@ class StreamStore:
     store's housekeeping (compaction.py, retention.py), not for the HTTP layer.
     """
 
-    def __init__(self, objects: ObjectStore, settings: StoreSettings | None = None) -> None:
+    def __init__(
+        self,
+        objects: ObjectStore,
+        settings: StoreSettings | None = None,
+        writer_locks: StreamLocks | None = None,
+    ) -> None:
+        """`writer_locks` make the processes of one machine that write a stream take
+        turns (streamlocks.py); without them a single process pays nothing for it."""
         self.objects = objects
         self.settings = settings or StoreSettings()
+        self.writer_locks = writer_locks
         self.cache = ObjectCache(self.settings.cache_bytes)
         self._streams: OrderedDict[str, _Stream] = OrderedDict()
         self._building: dict[tuple[str, object], AsyncResult] = {}  # handles being loaded
@@ -815,8 +826,8 @@ class StreamStore:
             if stream.piece_key(start) == key:
                 return index
 
-    def _refresh(self, stream: _Stream) -> bool:
-        """Pick up segments other processes wrote after our tail; True if any.
+    def _refresh(self, stream: _Stream, *, only_next: bool = False) -> bool:
+        """Pick up segments other processes wrote after our tail (or the next); True if any.
 
         Other greenlets may move the handle's tail while a segment is read (reads yield
         on S3): a state read is adopted, and a segment that fails its checks dropped as
@@ -840,7 +851,7 @@ class StreamStore:
             if stream.state.tail == position:
                 stream.state = state
             found = True
-            if index.end == index.start:
+            if index.end == index.start or only_next:
                 break
         stream.refreshed_at = started
         if found:
@@ -1115,14 +1126,23 @@ class StreamStore:
             # Let the writers just answered send their next append: one batch instead
             # of two cohorts taking turns (object stores bill per PUT).
             gevent.sleep(min(self.settings.linger_fraction * stream.write_seconds, 0.05))
-        batch, stream.pending = stream.pending, []
-        try:
-            self._commit(stream, batch)
-        except Exception as error:  # storage failed: nothing in the batch is acknowledged
-            _fail_unanswered(batch, error)
-        except BaseException:  # the appender committing was killed: the others must not hang
-            _fail_unanswered(batch, StorageUnavailable(INTERRUPTED_APPEND))
-            raise
+        with self._writer_turn(stream) as waited:
+            # Taken once it is our turn: appends that came while we waited join it.
+            batch, stream.pending = stream.pending, []
+            try:
+                if waited:  # the process we waited for has most likely written at our tail
+                    self._refresh(stream, only_next=True)  # a lost create reads any more
+                self._commit(stream, batch)
+            except Exception as error:  # storage failed: nothing in the batch is acknowledged
+                _fail_unanswered(batch, error)
+            except BaseException:  # the appender committing was killed: the others must not hang
+                _fail_unanswered(batch, StorageUnavailable(INTERRUPTED_APPEND))
+                raise
+
+    def _writer_turn(self, stream: _Stream) -> AbstractContextManager[bool]:
+        if self.writer_locks is None:
+            return nullcontext(False)
+        return self.writer_locks.held(stream.prefix)
 
     def _commit(self, stream: _Stream, batch: list[_Pending]) -> None:
         """Validate, write one segment, and answer: the group commit."""

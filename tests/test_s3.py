@@ -40,6 +40,7 @@ from faultproxy import FaultProxy, Record
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+    from pathlib import Path
 
     from conftest import ProxiedS3, S3Storage, Server, StartServer
 
@@ -282,12 +283,16 @@ def spread(urls: list[str], writers_per_url: int) -> list[list[str]]:
 
 
 def test_nodes_on_one_bucket_keep_every_acknowledged_append(
-    s3_storage: S3Storage, start_server: StartServer, unique_stream: str
+    s3_storage: S3Storage, start_server: StartServer, unique_stream: str, tmp_path: Path
 ) -> None:
-    nodes = [
-        start_server(storage_url=s3_storage.url, env=s3_storage.env, workers=WORKERS_PER_NODE)
-        for _ in range(NODES)
-    ]
+    """Each node's workers take turns at a stream's commits; the nodes, as on machines of
+    their own (a temporary directory each, where the writer locks live), do not."""
+    nodes = []
+    for number in range(NODES):
+        machine_tmp = tmp_path / f"node{number}"
+        machine_tmp.mkdir()
+        env = {**s3_storage.env, "TMPDIR": str(machine_tmp)}
+        nodes.append(start_server(storage_url=s3_storage.url, env=env, workers=WORKERS_PER_NODE))
     create_stream(nodes[0], unique_stream)
 
     started = time.monotonic()

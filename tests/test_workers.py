@@ -19,6 +19,7 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
@@ -28,7 +29,7 @@ import requests
 from conftest import NEEDS_INOTIFY, follow_stream
 
 if TYPE_CHECKING:
-    from conftest import Server, StartServer
+    from conftest import ProxiedS3, Server, StartServer
 
 NEXT_OFFSET = "Stream-Next-Offset"
 UP_TO_DATE = "Stream-Up-To-Date"
@@ -58,6 +59,7 @@ CATCH_UP_ROUNDS = 60
 RACING_WRITERS = 8
 RACE_SECONDS = 0.3
 DELETE_RACE_ROUNDS = 32
+TURN_LATENCY_MS = 5  # added to each S3 request: time for a second PUT to start meanwhile
 ERA_ROUNDS = 10
 MIXED_CLIENTS = 16
 MIXED_STREAMS = 4
@@ -243,6 +245,43 @@ def test_concurrent_writers_across_workers_lose_duplicate_and_reorder_nothing(
     server, access_log = start_logged_server(start_server, tmp_path)
     url = server.stream_url(unique_stream)
     create_stream(url, TEXT_TYPE)
+    write_records_together(url)
+    assert_spread(access_log, "POST", stream_path(server, unique_stream))
+
+
+def test_workers_take_turns_at_the_commits_of_a_stream(
+    proxied_s3: ProxiedS3, start_server: StartServer, tmp_path: Path, unique_stream: str
+) -> None:
+    """Every worker appends to one stream on S3, and its segment PUTs never overlap.
+
+    Each commit holds the stream's lock (streamlocks.py). Before, the worker that had
+    just committed wrote again while another's PUT lost at the old tail, and a worker
+    could lose for seconds: 503 after CONTENTION_LIMIT_SECONDS.
+    """
+    server, access_log = start_logged_server(
+        start_server, tmp_path, storage_url=proxied_s3.url, env=proxied_s3.env
+    )
+    url = server.stream_url(unique_stream)
+    create_stream(url, TEXT_TYPE)
+    proxied_s3.proxy.set_faults(delay_ms=TURN_LATENCY_MS)
+    since = proxied_s3.proxy.count()
+    write_records_together(url)
+    assert_spread(access_log, "POST", stream_path(server, unique_stream))
+    puts = sorted(
+        (
+            record
+            for record in proxied_s3.proxy.log()[since:]
+            if record.method == "PUT" and "/seg/" in record.path
+        ),
+        key=lambda record: record.began,
+    )
+    overlapping = [(one, later) for one, later in pairwise(puts) if later.began < one.ended]
+    assert not overlapping, f"{len(overlapping)} of {len(puts)} segment PUTs overlapped another"
+
+
+def write_records_together(url: str) -> None:
+    """WRITERS append APPENDS_PER_WRITER records each, at once, on new connections (so
+    through every worker): none lost, duplicated or reordered, each at its offset."""
 
     def write(writer_id: int) -> dict[int, str]:
         acknowledged = {}
@@ -269,7 +308,6 @@ def test_concurrent_writers_across_workers_lose_duplicate_and_reorder_nothing(
             assert data[end - RECORD_LENGTH : end] == record_bytes(writer_id, number), (
                 f"writer {writer_id} message {number} is not at its acknowledged offset {offset}"
             )
-    assert_spread(access_log, "POST", stream_path(server, unique_stream))
 
 
 def test_idempotent_producers_across_workers_store_each_seq_once(

@@ -1,0 +1,150 @@
+"""The per-stream locks that the processes of one machine share (streamlocks.py).
+
+Another process holds a lock through the module itself, in a Python process of its own
+that says when it holds the lock and lets go when told (or when killed). The waiting
+side runs in a greenlet, as the store's writer does, so the event loop goes on.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import gevent
+import pytest
+from conftest import REPO_DIR
+
+from streamlocks import StreamLocks
+
+KEY = "streams/a/0000000000000000"
+OTHER_KEY = "streams/b/0000000000000000"
+DEADLINE_SECONDS = 10.0
+# Long enough for a wait that should not end to end by mistake; never a measure of speed.
+STILL_WAITING_SECONDS = 0.5
+
+HOLDER = """
+import sys
+from streamlocks import StreamLocks
+
+with StreamLocks(sys.argv[1]).held(sys.argv[2]) as waited:
+    print("waited" if waited else "held", flush=True)
+    sys.stdin.readline()
+"""
+
+
+class Holder:
+    """A process that holds `key`'s lock until `let_go` or `kill`."""
+
+    def __init__(self, path: Path, key: str) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", HOLDER, str(path), key],
+            cwd=REPO_DIR,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    def wait_until_held(self) -> str:
+        """'held', or 'waited' if it had to wait for it; fails after the deadline."""
+        reader = gevent.get_hub().threadpool.spawn(self.process.stdout.readline)
+        line = reader.get(timeout=DEADLINE_SECONDS).strip()
+        assert line in ("held", "waited"), f"the holder said {line!r}"
+        return line
+
+    def let_go(self) -> None:
+        self.process.stdin.close()
+        assert self.process.wait(timeout=DEADLINE_SECONDS) == 0
+        self.process.stdout.close()
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait(timeout=DEADLINE_SECONDS)
+        self.process.stdin.close()
+        self.process.stdout.close()
+
+
+StartHolder = Callable[..., Holder]
+
+
+@pytest.fixture
+def lock_path(tmp_path: Path) -> Path:
+    return tmp_path / "writers.lock"
+
+
+@pytest.fixture
+def start_holder(lock_path: Path) -> Iterator[StartHolder]:
+    holders: list[Holder] = []
+
+    def start(key: str = KEY) -> Holder:
+        holder = Holder(lock_path, key)
+        holders.append(holder)
+        return holder
+
+    yield start
+    for holder in holders:
+        if holder.process.poll() is None:
+            holder.kill()
+
+
+def take(locks: StreamLocks, key: str) -> gevent.Greenlet:
+    """A greenlet that takes `key`'s lock, then lets go; its value says if it waited."""
+
+    def hold() -> bool:
+        with locks.held(key) as waited:
+            return waited
+
+    return gevent.spawn(hold)
+
+
+def test_a_lock_held_elsewhere_is_taken_once_let_go(
+    lock_path: Path, start_holder: StartHolder
+) -> None:
+    locks = StreamLocks(str(lock_path))
+    holder = start_holder()
+    assert holder.wait_until_held() == "held"
+
+    waiting = take(locks, KEY)
+    waiting.join(timeout=STILL_WAITING_SECONDS)
+    assert not waiting.ready(), "took a lock another process held"
+    with locks.held(OTHER_KEY) as waited:
+        assert not waited, "another stream's lock was not free"
+
+    holder.let_go()
+    assert waiting.get(timeout=DEADLINE_SECONDS) is True
+
+
+def test_a_lock_is_let_go_when_its_process_dies(lock_path: Path, start_holder: StartHolder) -> None:
+    locks = StreamLocks(str(lock_path))
+    holder = start_holder()
+    holder.wait_until_held()
+    waiting = take(locks, KEY)
+    waiting.join(timeout=STILL_WAITING_SECONDS)
+    assert not waiting.ready()
+
+    holder.kill()
+    assert waiting.get(timeout=DEADLINE_SECONDS) is True
+
+
+def test_a_wait_given_up_leaves_the_lock_free(lock_path: Path, start_holder: StartHolder) -> None:
+    """A writer killed while its thread waits (a stopping server): once the holder lets
+    go, the thread takes the lock and must let go of it too."""
+    locks = StreamLocks(str(lock_path))
+    holder = start_holder()
+    holder.wait_until_held()
+    waiting = take(locks, KEY)
+    waiting.join(timeout=STILL_WAITING_SECONDS)
+    waiting.kill(timeout=DEADLINE_SECONDS)
+
+    holder.let_go()
+    next_holder = start_holder()
+    assert next_holder.wait_until_held() in ("held", "waited")
+    next_holder.let_go()
+    with locks.held(KEY) as waited:
+        assert not waited, "a lock stayed taken after its waiter was killed"
+
+
+def test_a_lock_file_that_cannot_be_made_fails_at_start(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        StreamLocks(str(tmp_path / "missing" / "writers.lock"))
