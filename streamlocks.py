@@ -47,13 +47,22 @@ class StreamLocks:
     def __init__(self, path: str) -> None:
         self.path = path
         self._waiting: ThreadPool | None = None  # made by the first wait: after the fork
-        os.close(self._open())  # a root whose lock file cannot be made fails at start
 
     @classmethod
-    def for_root(cls, root: str) -> StreamLocks:
-        """Locks in the temporary directory, named by a hash of the storage root."""
+    def for_root(cls, root: str) -> StreamLocks | None:
+        """Locks in the temporary directory, named by a hash of the storage root.
+
+        None, with a warning, where that file cannot be made: the server still starts,
+        its writers racing as nodes do.
+        """
         digest = hashlib.sha256(root.encode()).hexdigest()[:16]
-        return cls(os.path.join(tempfile.gettempdir(), f"picomq-writers-{digest}.lock"))
+        locks = cls(os.path.join(tempfile.gettempdir(), f"picomq-writers-{digest}.lock"))
+        try:
+            os.close(locks._open())
+        except OSError as error:
+            log.warning(UNAVAILABLE, root, error)
+            return None
+        return locks
 
     @contextmanager
     def held(self, key: str) -> Iterator[bool]:
