@@ -129,9 +129,16 @@ def make_server(
     """
     data_dir = base_dir / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
+    # The server's temporary files (metric files, writer locks) stay with the test's,
+    # also when a test kills the server before it can remove them.
+    temporary_dir = base_dir / "tmp"
+    temporary_dir.mkdir(exist_ok=True)
     port = processes.free_port()
     server_env = server_environment(
-        storage_url or str(data_dir), long_poll_timeout, workers, env or {}
+        storage_url or str(data_dir),
+        long_poll_timeout,
+        workers,
+        {"TMPDIR": str(temporary_dir), **(env or {})},
     )
     command = [
         str(find_executable("gunicorn")),
