@@ -71,7 +71,11 @@ class StreamLocks:
         A lock that cannot be had for any reason but another holder is skipped with a
         warning: the creates, not the lock, keep the stream correct.
         """
-        descriptor, waited = self._acquire(key)
+        try:
+            descriptor, waited = self._acquire(key)
+        except OSError as error:
+            log.warning(UNAVAILABLE, key, error)
+            descriptor, waited = None, False
         try:
             yield waited
         finally:
@@ -81,13 +85,9 @@ class StreamLocks:
     def _open(self) -> int:
         return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
 
-    def _acquire(self, key: str) -> tuple[int | None, bool]:
-        """A descriptor that holds `key`'s lock (or None), and whether we waited for it."""
-        try:
-            descriptor = self._open()
-        except OSError as error:
-            log.warning(UNAVAILABLE, key, error)
-            return None, False
+    def _acquire(self, key: str) -> tuple[int, bool]:
+        """A descriptor that holds `key`'s lock, and whether we waited for it."""
+        descriptor = self._open()
         request = lock_request(key)
         try:
             fcntl.fcntl(descriptor, fcntl.F_OFD_SETLK, request)
@@ -95,15 +95,16 @@ class StreamLocks:
         except OSError as error:
             if error.errno not in (errno.EAGAIN, errno.EACCES):
                 os.close(descriptor)
-                log.warning(UNAVAILABLE, key, error)
-                return None, False
+                raise
         except BaseException:
             os.close(descriptor)
             raise
-        return self._wait(descriptor, request, key), True
+        self._wait(descriptor, request)
+        return descriptor, True
 
-    def _wait(self, descriptor: int, request: bytes, key: str) -> int | None:
-        """Block a thread, not the event loop, until the holder lets go."""
+    def _wait(self, descriptor: int, request: bytes) -> None:
+        """Block a thread, not the event loop, until the holder lets go; the descriptor
+        is closed here if the wait fails."""
         if self._waiting is None:
             self._waiting = ThreadPool(WAITING_THREADS)
         try:
@@ -120,9 +121,7 @@ class StreamLocks:
             raise
         if error is not None:
             os.close(descriptor)
-            log.warning(UNAVAILABLE, key, error)
-            return None
-        return descriptor
+            raise error
 
 
 def lock_request(key: str) -> bytes:
