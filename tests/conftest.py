@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import processes
 import pytest
 import requests
-from faultproxy import FaultProxy
+from faultproxy import FaultProxy, Record
 
 REPO_DIR = Path(__file__).resolve().parent.parent
 BIN_DIR = Path(sys.executable).parent
@@ -259,6 +259,15 @@ def proxied_s3(start_moto: Callable[[], ManagedProcess]) -> Iterator[ProxiedS3]:
     bucket = create_bucket(proxy.url)
     yield ProxiedS3(moto, proxy, f"s3://{bucket}/picomq", s3_environment(proxy.url))
     proxy.stop()
+
+
+def segment_put_records(proxy: FaultProxy, since: int = 0) -> list[Record]:
+    """The proxy's records of segment PUTs (not meta.json or markers), from record `since`."""
+    return [
+        record
+        for record in proxy.log()[since:]
+        if record.method == "PUT" and "/seg/" in record.path
+    ]
 
 
 def s3_environment(endpoint: str) -> dict[str, str]:

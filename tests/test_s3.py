@@ -35,7 +35,7 @@ from urllib.parse import parse_qs
 import orjson
 import pytest
 import requests
-from conftest import ManagedProcess, create_bucket, s3_environment
+from conftest import ManagedProcess, create_bucket, s3_environment, segment_put_records
 from faultproxy import FaultProxy, Record
 
 if TYPE_CHECKING:
@@ -647,11 +647,7 @@ def second_node(proxied_s3: ProxiedS3, start_server: StartServer) -> Server:
 
 def segment_puts(proxy: FaultProxy, since: int = 0) -> Counter[int]:
     """PUTs of segments (not meta.json or markers) by status: 200 written, 412 lost a race."""
-    return Counter(
-        record.status
-        for record in proxy.log()[since:]
-        if record.method == "PUT" and "/seg/" in record.path
-    )
+    return Counter(record.status for record in segment_put_records(proxy, since))
 
 
 @pytest.mark.parametrize(("workers", "latency_ms"), [(1, 0), (2, 0), (1, S3_LIKE_LATENCY_MS)])

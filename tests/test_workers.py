@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 
 import pytest
 import requests
-from conftest import NEEDS_INOTIFY, follow_stream
+from conftest import NEEDS_INOTIFY, follow_stream, segment_put_records
 
 if TYPE_CHECKING:
     from conftest import ProxiedS3, Server, StartServer
@@ -267,14 +267,7 @@ def test_workers_take_turns_at_the_commits_of_a_stream(
     since = proxied_s3.proxy.count()
     write_records_together(url)
     assert_spread(access_log, "POST", stream_path(server, unique_stream))
-    puts = sorted(
-        (
-            record
-            for record in proxied_s3.proxy.log()[since:]
-            if record.method == "PUT" and "/seg/" in record.path
-        ),
-        key=lambda record: record.began,
-    )
+    puts = sorted(segment_put_records(proxied_s3.proxy, since), key=lambda record: record.began)
     overlapping = [(one, later) for one, later in pairwise(puts) if later.began < one.ended]
     assert not overlapping, f"{len(overlapping)} of {len(puts)} segment PUTs overlapped another"
 
