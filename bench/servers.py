@@ -76,9 +76,14 @@ class Server(ManagedProcess):
 
 
 def read_resident_kib(pid: int) -> int:
+    return read_status_kib(pid, "VmRSS")
+
+
+def read_status_kib(pid: int, name: str) -> int:
+    """A memory figure of /proc/<pid>/status in KiB (VmRSS, VmHWM, …); 0 once it is gone."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{name}:"):
                 return int(line.split()[1])
     except OSError:
         pass
