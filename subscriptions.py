@@ -18,6 +18,11 @@ expiry) and data is still pending, the next wake starts at once. Glob patterns m
 whole path segments: `*` is one segment, `**` any number (a `*` inside a segment matches
 within it). A subscription never links its own wake stream.
 
+With access control on (auth.py), a PUT needs besides `admin` on its path `read` on all
+it links (its pattern within one read grant of the token, each explicit stream granted)
+and `append` on its wake stream; POST …/streams needs `read` on the streams it adds;
+GET and claim list only the linked streams the caller may read.
+
 Layout under the stream store's object root (every object is created once, never
 rewritten; the highest-numbered marker wins where there are several):
 
@@ -77,6 +82,7 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from flask import Flask, request
 from gevent.lock import RLock
 
+from auth import AuthError, refusal, request_allows, request_covers
 from objectstore import ObjectStore
 from picomq import STREAM_PREFIX, BadRequest, Response, format_offset, parse_offset
 from picomq import parse_stream_path as parse_picomq_path
@@ -1252,6 +1258,33 @@ def stream_root() -> str:
     return request.url_root.rstrip("/") + STREAM_PREFIX.rstrip("/")
 
 
+def require_link_grants(spec: Spec) -> None:
+    """AuthError 403 unless the caller may read all `spec` links and append to its wake stream.
+
+    Checked once, at PUT, against the creating token: then the server links, lists and
+    announces only streams its creator could read, and writes wake events only where
+    it could append. A pattern must lie within one read grant (`auth.includes`).
+    """
+    if spec.pattern is not None and not request_covers("read", spec.pattern):
+        raise AuthError(403, "insufficient_scope", "no read grant of the token covers the pattern")
+    require_read(spec.streams)
+    if spec.wake_stream is not None and not request_allows("append", spec.wake_stream):
+        raise AuthError(403, "insufficient_scope", "the token does not grant append on wake_stream")
+
+
+def require_read(paths: tuple[str, ...]) -> None:
+    if not all(request_allows("read", path) for path in paths):
+        raise AuthError(403, "insufficient_scope", "the token does not grant read on every stream")
+
+
+def readable_only(body: dict) -> dict:
+    """A subscription or claim answer, listing only the linked streams the caller may read."""
+    body["streams"] = [
+        stream for stream in body["streams"] if request_allows("read", stream["path"])
+    ]
+    return body
+
+
 class SubscriptionViews:
     """One method per route; each parses, makes one call on `Subscriptions`, answers."""
 
@@ -1272,6 +1305,9 @@ class SubscriptionViews:
                 return view(**arguments)
             except SubscriptionError as error:
                 return error_body(error)
+            except AuthError as error:
+                log.info("refused %s %s: %s", request.method, request.path, error)
+                return refusal(error)
             except StorageUnavailable as error:
                 log.warning("storage unavailable: %s", error)
                 body = {"error": {"code": "STORAGE_UNAVAILABLE", "message": "retry"}}
@@ -1290,20 +1326,24 @@ class SubscriptionViews:
     def subscription(self, sub_id: str) -> Response:
         if request.method == "PUT":
             spec = parse_spec(parse_json_object(request.get_data()))
+            require_link_grants(spec)
             created, subscription = self.subscriptions.create(
                 parse_subscription_id(sub_id), spec, stream_root()
             )
-            return json_response(self.subscriptions.describe(subscription), 201 if created else 200)
+            body = readable_only(self.subscriptions.describe(subscription))
+            return json_response(body, 201 if created else 200)
         if request.method == "DELETE":
             self.subscriptions.delete(sub_id)
             return Response(status=204)
-        return json_response(self.subscriptions.describe(self.subscriptions.require(sub_id)))
+        subscription = self.subscriptions.require(sub_id)
+        return json_response(readable_only(self.subscriptions.describe(subscription)))
 
     def streams(self, sub_id: str) -> Response:
         body = parse_json_object(request.get_data())
         paths = parse_paths(body.get("streams"), "streams")
         if not paths:
             raise InvalidRequest("streams must be a non-empty list of paths")
+        require_read(paths)
         self.subscriptions.add_streams(sub_id, paths)
         return Response(status=204)
 
@@ -1314,7 +1354,9 @@ class SubscriptionViews:
     def action(self, sub_id: str, action: str) -> Response:
         body = parse_json_object(request.get_data())
         if action == "claim":
-            return json_response(self.subscriptions.claim(sub_id, parse_worker(body)))
+            return json_response(
+                readable_only(self.subscriptions.claim(sub_id, parse_worker(body)))
+            )
         self.subscriptions.require(sub_id)  # 404 before 401
         token = parse_bearer_token()
         if action == "release":
