@@ -15,7 +15,9 @@ What each request needs:
     OPTIONS nothing: CORS preflights never carry credentials
     __ds/…  admin on `__ds/…`, except jwks.json (the public key webhook receivers
             fetch) and the wake-token routes (callback, ack, release), which carry a
-            token the server issued for one wake and subscriptions.py checks itself
+            token the server issued for one wake and subscriptions.py checks itself;
+            subscriptions.py also asks `request_allows` and `request_covers` for read
+            on every stream a subscription would link and append on its wake stream
     other   admin on the URL path without its leading slash (`admin:**` is everything),
             except /healthz, /readyz and the inspector page, which need no token
 
@@ -42,7 +44,7 @@ import jwt
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.asymmetric.rsa import RSAPrivateKey
 from cryptography.hazmat.primitives.serialization import load_pem_private_key, load_pem_public_key
-from flask import Flask, Response, g, request
+from flask import Flask, Response, current_app, g, request
 
 from picomq import (
     FORKED_FROM,
@@ -66,6 +68,7 @@ ACTION_OF_METHOD = {
 }
 TOKEN_PARAMETER = "access_token"
 TOKEN_ENVIRON_KEY = "picomq.access_tokens"
+ACCESS_CONTROL_KEY = "picomq.access_control"  # app.extensions: whether a key is configured
 MAX_TOKEN_CHARS = 8192
 LEEWAY_SECONDS = 30  # clock skew allowed on exp, nbf and iat
 CHALLENGE = 'Bearer realm="picomq"'
@@ -99,6 +102,14 @@ class Grant:
     def allows(self, action: str, path: str) -> bool:
         return action == self.action and matches(self.pattern, tuple(path.split("/")))
 
+    def covers(self, action: str, pattern: str) -> bool:
+        """Whether this grant allows `action` on every path the glob `pattern` matches."""
+        return action == self.action and includes(self.pattern, tuple(pattern.split("/")))
+
+
+def granted(grants: Iterable[Grant], action: str, path: str) -> bool:
+    return any(grant.allows(action, path) for grant in grants)
+
 
 def parse_scope(scope: str, *, strict: bool = False) -> tuple[Grant, ...]:
     """The grants in a space-separated scope.
@@ -131,13 +142,32 @@ def scope_item_problem(action: str, segments: tuple[str, ...]) -> str | None:
 
 def matches(pattern: tuple[str, ...], path: tuple[str, ...]) -> bool:
     """Whether a pattern's segments match a path's, in O(len(pattern) * len(path))."""
+    return consumes(pattern, path, path_is_pattern=False)
+
+
+def includes(pattern: tuple[str, ...], inner: tuple[str, ...]) -> bool:
+    """Whether `pattern` matches every path that the pattern `inner` matches.
+
+    A sufficient test that never wrongly says yes: each segment of `inner` must be taken
+    by a `**` of `pattern`, or by one segment whose `*`s can stand for its text, its own
+    `*`s included (`run-*` takes `run-1*`); a `**` of `inner` only by a `**`. It says no
+    to an `inner` that only several patterns cover together.
+    """
+    return consumes(pattern, inner, path_is_pattern=True)
+
+
+def consumes(pattern: tuple[str, ...], path: tuple[str, ...], *, path_is_pattern: bool) -> bool:
     reachable = {0}  # how many path segments the pattern so far can have consumed
     for segment in pattern:
         if segment == "**":
             reachable = set(range(min(reachable), len(path) + 1))
         else:
             matcher = segment_matcher(segment)
-            reachable = {i + 1 for i in reachable if i < len(path) and matcher(path[i])}
+            reachable = {
+                i + 1
+                for i in reachable
+                if i < len(path) and not (path_is_pattern and path[i] == "**") and matcher(path[i])
+            }
         if not reachable:
             return False
     return len(path) in reachable
@@ -206,7 +236,7 @@ class Verifier:
             grants = self.grants_of(token)
         except AuthError:
             return False
-        return any(grant.allows(action, path) for grant in grants)
+        return granted(grants, action, path)
 
 
 def describe(error: jwt.PyJWTError) -> str:
@@ -348,6 +378,7 @@ def register_auth(app: Flask, settings: Settings) -> Verifier | None:
     app.extensions["picomq.anonymous_endpoints"] = set(ANONYMOUS_ENDPOINTS)
     app.wsgi_app = TokenOutOfQuery(app.wsgi_app)  # even when off: clients may still send one
     verifier = Verifier.from_settings(settings)
+    app.extensions[ACCESS_CONTROL_KEY] = verifier is not None
     if verifier is None:
         return None
 
@@ -360,10 +391,9 @@ def register_auth(app: Flask, settings: Settings) -> Verifier | None:
             token = bearer_token()
             if token is None:
                 raise AuthError(401, "missing_token", "send a token: Authorization: Bearer")
-            grants = verifier.grants_of(token)
-            g.picomq_credentialed = True
+            g.picomq_grants = grants = verifier.grants_of(token)
             for action, path in needed:
-                if not any(grant.allows(action, path) for grant in grants):
+                if not granted(grants, action, path):
                     raise AuthError(403, "insufficient_scope", f"the token does not grant {action}")
         except AuthError as error:
             log.info("refused %s %s: %s", request.method, request.path, error)
@@ -373,7 +403,7 @@ def register_auth(app: Flask, settings: Settings) -> Verifier | None:
     @app.after_request
     def keep_private(response: Response) -> Response:
         """A response chosen by credentials must never be served from a shared cache."""
-        if g.get("picomq_credentialed"):
+        if "picomq_grants" in g:
             cache_control = response.headers.get("Cache-Control", "private")
             response.headers["Cache-Control"] = cache_control.replace("public", "private")
             response.vary.add("Authorization")
@@ -385,3 +415,29 @@ def register_auth(app: Flask, settings: Settings) -> Verifier | None:
 def allow_anonymous(app: Flask, endpoint: str) -> None:
     """Let requests to `endpoint` through without a token (health checks, for example)."""
     app.extensions["picomq.anonymous_endpoints"].add(endpoint)
+
+
+# -- for views that name more streams than their own path ---------------------------
+
+
+def request_grants() -> tuple[Grant, ...] | None:
+    """The grants of this request's token; None when access control is off.
+
+    With access control on, a request whose token was not checked (an endpoint open to
+    anyone) has no grants, so a view asking here refuses rather than trusts it.
+    """
+    if not current_app.extensions[ACCESS_CONTROL_KEY]:
+        return None
+    return g.get("picomq_grants", ())
+
+
+def request_allows(action: str, path: str) -> bool:
+    """Whether this request's token grants `action` on `path` (always, with control off)."""
+    grants = request_grants()
+    return grants is None or granted(grants, action, path)
+
+
+def request_covers(action: str, pattern: str) -> bool:
+    """Whether one grant of this request's token allows `action` on all `pattern` matches."""
+    grants = request_grants()
+    return grants is None or any(grant.covers(action, pattern) for grant in grants)

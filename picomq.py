@@ -484,7 +484,7 @@ def create_app(settings: Settings, store: StreamStore | None = None) -> StreamAp
     )
     from subscriptions import register_subscriptions  # here: it builds on this module
 
-    register_subscriptions(app, store)
+    register_subscriptions(app, store, settings)
     from ops import register_operations  # its hooks run after add_common_headers below
 
     register_operations(app, store, settings)

@@ -7,6 +7,7 @@ settings table is checked against `SETTINGS` by the tests.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
@@ -20,6 +21,8 @@ from cryptography.hazmat.primitives.serialization import load_pem_public_key
 MIN_JWT_SECRET_BYTES = 32  # HS256: a key at least as long as the hash (RFC 7518 3.2)
 MIN_RSA_KEY_BITS = 2048
 MAX_JSON_DEPTH = 200  # well below the 1,000 levels at which msgspec stops parsing
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
 class SettingsError(ValueError):
@@ -104,6 +107,12 @@ def _optional_public_key(text: str) -> str | None:
     if isinstance(key, Ed25519PublicKey):
         return pem
     raise ValueError(f"must be an Ed25519 key or an RSA key of {MIN_RSA_KEY_BITS} bits or more")
+
+
+def _networks(text: str) -> tuple[Network, ...]:
+    """Comma-separated CIDR blocks (`127.0.0.0/8,::1`); host bits set are masked off."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    return tuple(ipaddress.ip_network(item, strict=False) for item in items)
 
 
 @dataclass(frozen=True)
@@ -203,6 +212,13 @@ SETTINGS: tuple[Setting, ...] = (
         "When set, tokens must carry this aud claim; empty: aud is not checked.",
     ),
     Setting(
+        "webhook_allowed_networks",
+        "",
+        _networks,
+        "Comma-separated networks (such as 127.0.0.0/8,10.0.0.0/8) webhooks may reach, by"
+        " http or https; empty: only public addresses, by https (see README).",
+    ),
+    Setting(
         "cache_bytes",
         str(64 * 1024 * 1024),
         _positive_int,
@@ -271,6 +287,7 @@ class Settings:
     jwt_secret: str | None
     jwt_public_key: str | None
     jwt_audience: str | None
+    webhook_allowed_networks: tuple[Network, ...]
     cache_bytes: int
     retention_age: int | None
     retention_bytes: int | None

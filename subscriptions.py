@@ -18,6 +18,13 @@ expiry) and data is still pending, the next wake starts at once. Glob patterns m
 whole path segments: `*` is one segment, `**` any number (a `*` inside a segment matches
 within it). A subscription never links its own wake stream.
 
+With access control on (auth.py), a PUT needs besides `admin` on its path `read` on all
+it links (its pattern within one read grant of the token, each explicit stream granted)
+and `append` on its wake stream; POST …/streams needs `read` on the streams it adds;
+GET and claim list only the linked streams the caller may read. Webhooks reach public
+addresses by https, and PICOMQ_WEBHOOK_ALLOWED_NETWORKS by http too; each delivery
+resolves the host, checks every address and connects to a checked one.
+
 Layout under the stream store's object root (every object is created once, never
 rewritten; the highest-numbered marker wins where there are several):
 
@@ -67,19 +74,22 @@ import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
+import certifi
 import gevent
 import orjson
-import requests
+import urllib3
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from flask import Flask, request
 from gevent.lock import RLock
 
+from auth import AuthError, refusal, request_allows, request_covers
 from objectstore import ObjectStore
 from picomq import STREAM_PREFIX, BadRequest, Response, format_offset, parse_offset
 from picomq import parse_stream_path as parse_picomq_path
+from settings import Network, Settings
 from storage import (
     AppendRequest,
     Payload,
@@ -117,7 +127,8 @@ MAX_URL_CHARS = 2048
 MAX_GENERATION_ATTEMPTS = 10
 SUBSCRIPTION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._~-]{0,127}")
 
-DELIVERY_TIMEOUT = (3.05, 10.0)  # seconds to connect, and to wait for the reply
+DELIVERY_TIMEOUT = urllib3.Timeout(connect=3.05, read=10.0)  # seconds, each
+MAX_ADDRESSES_TRIED = 4  # of a webhook host's addresses, per delivery attempt
 MAX_DELIVERY_ATTEMPTS = 15  # about ten minutes of retries, then the wake is given up
 FIRST_RETRY_SECONDS = 1.0
 MAX_RETRY_SECONDS = 60.0
@@ -128,6 +139,13 @@ SIGNING_KEY_OBJECT = "subscriptions/_keys/webhook-signing.json"
 TOKEN_KEY_OBJECT = "subscriptions/_keys/token.key"
 JWK_SET_TYPE = "application/jwk-set+json"
 SIGNATURE_HEADER = "Webhook-Signature"
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+NAT64_PREFIX = ipaddress.IPv6Network("64:ff9b::/96")
+IPV4_COMPATIBLE = ipaddress.IPv6Network("::/96")
+# WHATWG URL: a host whose last label is a number is parsed as an IPv4 address, in
+# decimal, octal or hex, whole or in parts; resolvers differ on the rarer spellings.
+ENDS_IN_A_NUMBER = re.compile(r"(?:^|\.)(?:[0-9]+|0x[0-9a-f]*)\.?$", re.IGNORECASE)
 
 
 # -- outcomes: each maps to one status and error code -------------------------------
@@ -344,38 +362,91 @@ def matches(pattern: str, path: str) -> bool:
     return compile_pattern(pattern).fullmatch("/" + path) is not None
 
 
-def check_webhook_url(url: str) -> None:
-    """Accept https to public addresses, and http or https to localhost and 127.0.0.0/8.
+@dataclass(frozen=True)
+class WebhookTarget:
+    """A webhook URL that passed `check_webhook_url`, with the addresses it was checked at.
 
-    Private, link-local (the cloud metadata address included), shared, multicast and
-    reserved addresses are rejected, and so is a host name that resolves to any. The
-    check runs again before every delivery; a host whose DNS answer changes between
-    that check and the connection (DNS rebinding) is not caught.
+    Deliveries connect to these addresses and no others, so a DNS answer that changes
+    after the check (DNS rebinding) cannot move them; the URL's host still goes in the
+    Host header, in TLS SNI and in the certificate check.
     """
-    if len(url) > MAX_URL_CHARS or re.search(r"[\s\\\x00-\x1f\x7f]", url):
-        raise WebhookUrlRejected("webhook.url is too long or holds spaces or control characters")
+
+    scheme: str
+    host: str  # as the URL spells it, IPv6 without brackets
+    port: int | None
+    target: str  # the path and query sent in the request line
+    addresses: tuple[IPAddress, ...]
+
+    @property
+    def host_header(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return host if self.port is None else f"{host}:{self.port}"
+
+    def pool(self, address: IPAddress) -> urllib3.HTTPConnectionPool:
+        """A connection pool to `address` alone; proxies from the environment are not used."""
+        port = self.port if self.port is not None else 443 if self.scheme == "https" else 80
+        if self.scheme == "http":
+            return urllib3.HTTPConnectionPool(str(address), port)
+        return urllib3.HTTPSConnectionPool(
+            str(address), port, cert_reqs="CERT_REQUIRED", ca_certs=certifi.where(),
+            server_hostname=self.host,
+        )  # fmt: skip
+
+
+def check_webhook_url(url: str, allowed: tuple[Network, ...]) -> WebhookTarget:
+    """Resolve a webhook URL's host once and check every address it names.
+
+    Public addresses may be reached by https; addresses in `allowed` (the setting
+    PICOMQ_WEBHOOK_ALLOWED_NETWORKS) by http too. Everything else is refused with
+    WebhookUrlRejected: loopback, private, link-local (cloud metadata included), shared,
+    reserved and multicast addresses, and IPv6 addresses that embed such an IPv4 one
+    (`embedded_ipv4`). A host ending in a number must be four decimal numbers:
+    `2130706433`, `0x7f.1` or `0177.0.0.1` are refused, as parsers read them apart.
+    """
+    parts = parse_webhook_url(url)
+    host = parts.hostname or ""
+    literal = parse_ip(host)
+    if literal is None and ENDS_IN_A_NUMBER.search(host):
+        raise WebhookUrlRejected("webhook.url: write an IPv4 host as four decimal numbers")
+    addresses = (literal,) if literal is not None else resolve_host(host)
+    for address in addresses:
+        if any(address in network for network in allowed):
+            continue
+        if not is_public(address):
+            raise WebhookUrlRejected(
+                f"webhook.url must not target {host}: a loopback, private or reserved address"
+                " needs PICOMQ_WEBHOOK_ALLOWED_NETWORKS"
+            )
+        if parts.scheme != "https":
+            raise WebhookUrlRejected(
+                "webhook.url must use https (http only to PICOMQ_WEBHOOK_ALLOWED_NETWORKS)"
+            )
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    return WebhookTarget(parts.scheme, host, parts.port, target, addresses)
+
+
+def parse_webhook_url(url: str) -> SplitResult:
+    """The parts of an http(s) URL with a host, no credentials and a valid port."""
+    if len(url) > MAX_URL_CHARS or not url.isascii() or re.search(r"[\s\\\x00-\x1f\x7f]", url):
+        raise WebhookUrlRejected(
+            "webhook.url is too long, or holds spaces, control or non-ASCII characters"
+        )
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise WebhookUrlRejected("webhook.url must be an http(s) URL with a host")
     if parts.username is not None or parts.password is not None:
         raise WebhookUrlRejected("webhook.url must not carry credentials")
     try:
-        _ = parts.port
+        port = parts.port
     except ValueError as error:
         raise WebhookUrlRejected("webhook.url has an invalid port") from error
-    host = parts.hostname.lower()
-    literal = parse_ip(host)
-    if host == "localhost" or (literal is not None and literal.is_loopback):
-        return
-    if parts.scheme != "https":
-        raise WebhookUrlRejected("webhook.url must use https (http only for localhost)")
-    addresses = [literal] if literal is not None else [parse_ip(a) for a in resolve_host(host)]
-    for address in addresses:
-        if address is None or not address.is_global or address.is_multicast:
-            raise WebhookUrlRejected(f"webhook.url must not target {address or host}")
+    if port == 0:
+        raise WebhookUrlRejected("webhook.url has an invalid port")
+    return parts
 
 
-def parse_ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+def parse_ip(text: str) -> IPAddress | None:
+    """An IP address literal; an IPv4-mapped IPv6 one (`::ffff:a.b.c.d`) as its IPv4."""
     try:
         address = ipaddress.ip_address(text)
     except ValueError:
@@ -385,12 +456,77 @@ def parse_ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     return address
 
 
-def resolve_host(host: str) -> list[str]:
+def resolve_host(host: str) -> tuple[IPAddress, ...]:
+    """Every address the resolver gives for `host`, in its order, without repeats."""
     try:
         answers = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except (OSError, UnicodeError) as error:
         raise WebhookUrlRejected(f"webhook.url host {host} does not resolve") from error
-    return [str(answer[4][0]).split("%", 1)[0] for answer in answers]
+    parsed = (parse_ip(str(answer[4][0]).split("%", 1)[0]) for answer in answers)
+    addresses = tuple(dict.fromkeys(address for address in parsed if address is not None))
+    if not addresses:
+        raise WebhookUrlRejected(f"webhook.url host {host} does not resolve")
+    return addresses
+
+
+def is_public(address: IPAddress) -> bool:
+    """Globally routed unicast by IANA's registries, and so is every IPv4 it embeds."""
+    embedded = embedded_ipv4(address)
+    if address in NAT64_PREFIX or address in IPV4_COMPATIBLE:
+        return all(is_public(inner) for inner in embedded)  # reserved: only a way to these
+    site_local = isinstance(address, ipaddress.IPv6Address) and address.is_site_local
+    if not address.is_global or address.is_multicast or address.is_reserved or site_local:
+        return False
+    return all(is_public(inner) for inner in embedded)
+
+
+def embedded_ipv4(address: IPAddress) -> tuple[ipaddress.IPv4Address, ...]:
+    """The IPv4 addresses an IPv6 one carries, where its packets may end up.
+
+    NAT64 (64:ff9b::/96) and IPv4-compatible (::/96) addresses hold one in their last
+    32 bits, 6to4 (2002::/16) in bits 16-48, Teredo (2001::/32) a server and a client.
+    IPv4-mapped ones (::ffff:0:0/96) are read as IPv4 by `parse_ip` before this.
+    """
+    if isinstance(address, ipaddress.IPv4Address):
+        return ()
+    if address in NAT64_PREFIX or address in IPV4_COMPATIBLE:
+        return (ipaddress.IPv4Address(int(address) & 0xFFFF_FFFF),)
+    if address.sixtofour is not None:
+        return (address.sixtofour,)
+    return address.teredo or ()
+
+
+def post_webhook(target: WebhookTarget, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
+    """POST to the first checked address that takes a connection: its status and reply.
+
+    Up to MAX_ADDRESSES_TRIED addresses are tried, in the resolver's order; only a
+    failed connection moves on to the next, so a receiver gets the body at most once.
+    The reply is read only when 2xx, and at most MAX_REPLY_BYTES of it. Redirects are
+    not followed (a 3xx is a failed delivery). Raises urllib3's HTTPError or OSError.
+    """
+    addresses = target.addresses[:MAX_ADDRESSES_TRIED]
+    for address in addresses[:-1]:
+        try:
+            return post_to_address(target, address, body, headers)
+        except urllib3.exceptions.ConnectTimeoutError:  # NewConnectionError included
+            continue
+    return post_to_address(target, addresses[-1], body, headers)
+
+
+def post_to_address(
+    target: WebhookTarget, address: IPAddress, body: bytes, headers: dict[str, str]
+) -> tuple[int, bytes]:
+    with target.pool(address) as pool:
+        response = pool.urlopen(
+            "POST", target.target, body=body, headers={**headers, "Host": target.host_header},
+            redirect=False, retries=False, timeout=DELIVERY_TIMEOUT, preload_content=False,
+        )  # fmt: skip
+        try:
+            if not 200 <= response.status < 300:
+                return response.status, b""
+            return response.status, response.read(MAX_REPLY_BYTES, decode_content=True)
+        finally:
+            response.release_conn()
 
 
 def retry_delay(attempt: int) -> float:
@@ -727,8 +863,9 @@ class Subscriptions:
     across a webhook POST (deliveries run in their own greenlet).
     """
 
-    def __init__(self, store: StreamStore) -> None:
+    def __init__(self, store: StreamStore, webhook_networks: tuple[Network, ...]) -> None:
         self.store = store
+        self.webhook_networks = webhook_networks  # reachable besides public addresses
         self.files = SubscriptionObjects(store.objects)
         self._subscriptions: dict[str, Subscription] = {}
         self._registry_lock = RLock()
@@ -827,7 +964,7 @@ class Subscriptions:
         if existing is not None:
             return False, self._confirm(existing, spec)
         if spec.type == "webhook":
-            check_webhook_url(spec.webhook_url or "")
+            check_webhook_url(spec.webhook_url or "", self.webhook_networks)
         record = Record(
             subscription_id, uuid.uuid4().hex[:16], datetime.now(UTC).isoformat(), root_url, spec
         )
@@ -1078,21 +1215,20 @@ class Subscriptions:
                 self._end_wake(subscription)
 
     def _post(self, subscription: Subscription, body: bytes) -> dict | None:
-        """The receiver's JSON reply to one POST (an empty dict if not JSON); None on failure."""
-        url = subscription.spec.webhook_url or ""
+        """The receiver's JSON reply to one POST (an empty dict if not JSON); None on failure.
+
+        The URL is checked again, and its host resolved again, before every attempt.
+        """
         headers = {"Content-Type": "application/json",
                    SIGNATURE_HEADER: self.signer.sign(body, int(time.time()))}  # fmt: skip
         try:
-            check_webhook_url(url)
-            with requests.post(url, data=body, headers=headers, timeout=DELIVERY_TIMEOUT,
-                               allow_redirects=False, stream=True) as response:  # fmt: skip
-                if not 200 <= response.status_code < 300:
-                    log.info("subscription %s: webhook answered %d", subscription.id,
-                             response.status_code)  # fmt: skip
-                    return None
-                reply = response.raw.read(MAX_REPLY_BYTES, decode_content=True)
-        except (WebhookUrlRejected, requests.RequestException, OSError) as error:
+            target = check_webhook_url(subscription.spec.webhook_url or "", self.webhook_networks)
+            status, reply = post_webhook(target, body, headers)
+        except (WebhookUrlRejected, urllib3.exceptions.HTTPError, OSError) as error:
             log.info("subscription %s: webhook failed: %s", subscription.id, error)
+            return None
+        if not 200 <= status < 300:
+            log.info("subscription %s: webhook answered %d", subscription.id, status)
             return None
         try:
             value = orjson.loads(reply)
@@ -1252,6 +1388,33 @@ def stream_root() -> str:
     return request.url_root.rstrip("/") + STREAM_PREFIX.rstrip("/")
 
 
+def require_link_grants(spec: Spec) -> None:
+    """AuthError 403 unless the caller may read all `spec` links and append to its wake stream.
+
+    Checked once, at PUT, against the creating token: then the server links, lists and
+    announces only streams its creator could read, and writes wake events only where
+    it could append. A pattern must lie within one read grant (`auth.includes`).
+    """
+    if spec.pattern is not None and not request_covers("read", spec.pattern):
+        raise AuthError(403, "insufficient_scope", "no read grant of the token covers the pattern")
+    require_read(spec.streams)
+    if spec.wake_stream is not None and not request_allows("append", spec.wake_stream):
+        raise AuthError(403, "insufficient_scope", "the token does not grant append on wake_stream")
+
+
+def require_read(paths: tuple[str, ...]) -> None:
+    if not all(request_allows("read", path) for path in paths):
+        raise AuthError(403, "insufficient_scope", "the token does not grant read on every stream")
+
+
+def readable_only(body: dict) -> dict:
+    """A subscription or claim answer, listing only the linked streams the caller may read."""
+    body["streams"] = [
+        stream for stream in body["streams"] if request_allows("read", stream["path"])
+    ]
+    return body
+
+
 class SubscriptionViews:
     """One method per route; each parses, makes one call on `Subscriptions`, answers."""
 
@@ -1272,6 +1435,9 @@ class SubscriptionViews:
                 return view(**arguments)
             except SubscriptionError as error:
                 return error_body(error)
+            except AuthError as error:
+                log.info("refused %s %s: %s", request.method, request.path, error)
+                return refusal(error)
             except StorageUnavailable as error:
                 log.warning("storage unavailable: %s", error)
                 body = {"error": {"code": "STORAGE_UNAVAILABLE", "message": "retry"}}
@@ -1290,20 +1456,24 @@ class SubscriptionViews:
     def subscription(self, sub_id: str) -> Response:
         if request.method == "PUT":
             spec = parse_spec(parse_json_object(request.get_data()))
+            require_link_grants(spec)
             created, subscription = self.subscriptions.create(
                 parse_subscription_id(sub_id), spec, stream_root()
             )
-            return json_response(self.subscriptions.describe(subscription), 201 if created else 200)
+            body = readable_only(self.subscriptions.describe(subscription))
+            return json_response(body, 201 if created else 200)
         if request.method == "DELETE":
             self.subscriptions.delete(sub_id)
             return Response(status=204)
-        return json_response(self.subscriptions.describe(self.subscriptions.require(sub_id)))
+        subscription = self.subscriptions.require(sub_id)
+        return json_response(readable_only(self.subscriptions.describe(subscription)))
 
     def streams(self, sub_id: str) -> Response:
         body = parse_json_object(request.get_data())
         paths = parse_paths(body.get("streams"), "streams")
         if not paths:
             raise InvalidRequest("streams must be a non-empty list of paths")
+        require_read(paths)
         self.subscriptions.add_streams(sub_id, paths)
         return Response(status=204)
 
@@ -1314,7 +1484,9 @@ class SubscriptionViews:
     def action(self, sub_id: str, action: str) -> Response:
         body = parse_json_object(request.get_data())
         if action == "claim":
-            return json_response(self.subscriptions.claim(sub_id, parse_worker(body)))
+            return json_response(
+                readable_only(self.subscriptions.claim(sub_id, parse_worker(body)))
+            )
         self.subscriptions.require(sub_id)  # 404 before 401
         token = parse_bearer_token()
         if action == "release":
@@ -1324,14 +1496,14 @@ class SubscriptionViews:
         return json_response(progress(sub_id, token, parse_ack_request(body)))
 
 
-def register_subscriptions(app: Flask, store: StreamStore) -> Subscriptions:
+def register_subscriptions(app: Flask, store: StreamStore, settings: Settings) -> Subscriptions:
     """Route `{root}/__ds/...` to the subscription views and listen to the store.
 
     The rules are more specific than the stream route's `<path:path>`, so Werkzeug
     tries them first; each takes every method and answers 405 itself, so no `__ds`
     request falls through to stream handling.
     """
-    subscriptions = Subscriptions(store)
+    subscriptions = Subscriptions(store, settings.webhook_allowed_networks)
     views = SubscriptionViews(subscriptions)
     routes = [
         ("/jwks.json", views.jwks, ("GET", "HEAD")),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import itertools
 import json
 import os
 import runpy
@@ -40,7 +41,7 @@ from test_limits import (
     snapshot_ancestors,
 )
 
-from auth import Grant, matches, parse_scope
+from auth import Grant, includes, matches, parse_scope
 from settings import Settings, SettingsError
 
 if TYPE_CHECKING:
@@ -143,6 +144,46 @@ def test_many_double_stars_match_in_polynomial_time() -> None:
     """`**/a/**/a/…` against a long path of `a`s is quadratic, not exponential."""
     pattern = tuple(["**", "a"] * 16 + ["b"])
     assert matches(pattern, tuple(["a"] * 32)) is False
+
+
+@pytest.mark.parametrize(
+    ("grant", "pattern", "expected"),
+    [
+        ("public/**", "public/**", True),
+        ("public/**", "public/a/*", True),
+        ("public/**", "public", True),
+        ("public/**", "public/**/x", True),
+        ("public/**", "**", False),
+        ("public/**", "private/*", False),
+        ("public/**", "*/x", False),
+        ("public/**", "public*/x", False),
+        ("public/*", "public/**", False),
+        ("public/*", "public/a-*", True),
+        ("public/a-*", "public/a-1*", True),
+        ("public/a-*", "public/*", False),
+        ("run-*-x", "run-1*-x", True),
+        ("run-*-x", "run-*", False),
+        ("**", "**", True),
+        ("**/logs", "a/**/logs", True),
+        ("a/**/z", "a/**", False),
+        ("*", "**", False),
+        ("*", "*", True),
+    ],
+)
+def test_a_grant_includes_a_pattern(grant: str, pattern: str, expected: bool) -> None:
+    assert includes(tuple(grant.split("/")), tuple(pattern.split("/"))) is expected
+
+
+def test_includes_never_says_yes_when_a_path_tells_otherwise() -> None:
+    """Every pair of small patterns: when one includes the other, no path shows it wrong."""
+    words = [("a",), ("b",), ("ab",)]
+    paths = [p + q + r for p in [()] + words for q in [()] + words for r in words]
+    segments = ["a", "*", "**", "a*", "*b"]
+    patterns = [tuple(s) for n in (1, 2, 3) for s in itertools.product(segments, repeat=n)]
+    for grant, pattern in itertools.product(patterns, patterns):
+        if includes(grant, pattern):
+            wrong = [path for path in paths if matches(pattern, path) and not matches(grant, path)]
+            assert not wrong, (grant, pattern, wrong)
 
 
 def test_scope_parsing_keeps_known_grants_and_skips_the_rest() -> None:
@@ -352,6 +393,66 @@ def test_wake_token_routes_are_left_to_the_subscription(auth_server: Server) -> 
     assert "WWW-Authenticate" not in response.headers  # not our refusal: the view's
 
 
+# -- subscriptions: what they link is what their creator may read ------------------------
+
+SUBSCRIBER = "admin:__ds/** read:public/** append:wakes/**"
+
+
+def subscribe(server: Server, token: str, subscription_id: str, **config: object):
+    url = f"{server.url}/v1/stream/__ds/subscriptions/{subscription_id}"
+    return requests.put(url, json=config, headers=bearer(token))
+
+
+def test_a_subscription_links_only_what_its_creator_may_read(auth_server: Server) -> None:
+    token, prefix = mint(SUBSCRIBER), fresh()
+    wake = f"wakes/{prefix}"
+    create_stream(auth_server, wake)
+    pull = {"type": "pull-wake", "wake_stream": wake}
+    for config in (
+        {"pattern": "**"},
+        {"pattern": "private/*"},
+        {"pattern": "*/x"},
+        {"pattern": "public*/x"},
+        {"streams": [f"private/{prefix}"]},
+        {"pattern": f"public/{prefix}/**", "streams": [f"private/{prefix}"]},
+        {"pattern": f"public/{prefix}/**", "wake_stream": f"public/{prefix}-wake"},
+    ):
+        refused = subscribe(auth_server, token, fresh("sub"), **{**pull, **config})
+        assert_refused(refused, 403, "insufficient_scope")
+    subscription_id = fresh("sub")
+    created = subscribe(auth_server, token, subscription_id, **pull,
+                        pattern=f"public/{prefix}/**", streams=[f"public/{prefix}"])  # fmt: skip
+    assert created.status_code == 201, created.content
+    streams = f"{auth_server.url}/v1/stream/__ds/subscriptions/{subscription_id}/streams"
+    added = requests.post(streams, json={"streams": [f"private/{prefix}"]}, headers=bearer(token))
+    assert_refused(added, 403, "insufficient_scope")
+    added = requests.post(streams, json={"streams": [f"public/{prefix}-2"]}, headers=bearer(token))
+    assert added.status_code == 204, added.content
+
+
+def test_a_subscription_lists_only_the_streams_the_caller_may_read(auth_server: Server) -> None:
+    prefix = fresh()
+    public, private, wake = f"public/{prefix}", f"private/{prefix}", f"wakes/{prefix}"
+    for path in (public, private, wake):
+        create_stream(auth_server, path)
+    subscription_id = fresh("sub")
+    created = subscribe(auth_server, mint(), subscription_id, type="pull-wake",
+                        streams=[public, private], wake_stream=wake)  # fmt: skip
+    assert created.status_code == 201, created.content
+    url = f"{auth_server.url}/v1/stream/__ds/subscriptions/{subscription_id}"
+    everything = requests.get(url, headers=bearer(mint())).json()["streams"]
+    assert [stream["path"] for stream in everything] == [private, public]
+    limited = requests.get(url, headers=bearer(mint(SUBSCRIBER))).json()["streams"]
+    assert [stream["path"] for stream in limited] == [public]
+    secret = requests.post(auth_server.stream_url(private), data=b"secret",
+                           headers={**OCTETS, **bearer(mint())})  # fmt: skip
+    assert secret.status_code == 204
+    claimed = requests.post(f"{url}/claim", json={"worker": "w"}, headers=bearer(mint(SUBSCRIBER)))
+    assert claimed.status_code == 200, claimed.content
+    assert [stream["path"] for stream in claimed.json()["streams"]] == [public]
+
+
+# -- no existence leaks -----------------------------------------------------------------
 # -- no existence leaks -----------------------------------------------------------------
 
 

@@ -87,6 +87,9 @@ def describe_failure(test: dict) -> str:
 
 # Generous retention on every stream: the protocol must not notice it.
 RETENTION = {"PICOMQ_RETENTION_AGE": "86400", "PICOMQ_RETENTION_BYTES": str(1 << 30)}
+# The suite's webhook receivers listen on 127.0.0.1, which webhooks reach only when allowed;
+# it also checks that http://10.0.0.1 is refused, so nothing wider is allowed.
+WEBHOOKS_TO_LOOPBACK = {"PICOMQ_WEBHOOK_ALLOWED_NETWORKS": "127.0.0.1/32"}
 
 
 @pytest.mark.conformance
@@ -102,12 +105,16 @@ def test_conformance_suite(
     if backend == "s3":  # a fresh bucket on the session's moto_server
         storage = request.getfixturevalue("s3_storage")
         server = start_server(
-            long_poll_timeout=LONG_POLL_TIMEOUT, storage_url=storage.url, env=storage.env
+            long_poll_timeout=LONG_POLL_TIMEOUT,
+            storage_url=storage.url,
+            env={**storage.env, **WEBHOOKS_TO_LOOPBACK},
         )
     elif backend == "local-with-retention":
-        server = start_server(long_poll_timeout=LONG_POLL_TIMEOUT, env=RETENTION)
+        server = start_server(
+            long_poll_timeout=LONG_POLL_TIMEOUT, env={**RETENTION, **WEBHOOKS_TO_LOOPBACK}
+        )
     else:
-        server = start_server(long_poll_timeout=LONG_POLL_TIMEOUT)
+        server = start_server(long_poll_timeout=LONG_POLL_TIMEOUT, env=WEBHOOKS_TO_LOOPBACK)
     report_path = tmp_path / "vitest-report.json"
 
     test_timeout_ms = S3_TEST_TIMEOUT_MS if backend == "s3" else None

@@ -45,6 +45,8 @@ def test_fractional_long_poll_timeout_is_accepted() -> None:
         ("PICOMQ_SWEEP_INTERVAL", "-1"),
         ("PICOMQ_SWEEP_INTERVAL", "nan"),
         ("PICOMQ_SWEEP_INTERVAL", "never"),
+        ("PICOMQ_WEBHOOK_ALLOWED_NETWORKS", "localhost"),
+        ("PICOMQ_WEBHOOK_ALLOWED_NETWORKS", "10.0.0.0/33"),
     ],
 )
 def test_bad_values_name_the_variable(variable: str, value: str) -> None:

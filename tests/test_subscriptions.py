@@ -2,7 +2,8 @@
 
 Webhooks go to a small HTTP receiver in this process on 127.0.0.1; signatures are checked
 with the public key from the server's JWKS. Each test uses its own subscription ids and
-stream prefix, so tests share the session server.
+stream prefix, so tests share this module's server, which may reach loopback receivers
+(PICOMQ_WEBHOOK_ALLOWED_NETWORKS); `strict_server` runs with the default, which may not.
 """
 
 from __future__ import annotations
@@ -17,21 +18,27 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from ipaddress import IPv4Address, IPv6Address
 from typing import TYPE_CHECKING
 
 import pytest
 import requests
+from conftest import make_server
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import (
     Ed25519PrivateKey,
     Ed25519PublicKey,
 )
+from processes import free_port
 
+from settings import Settings
 from subscriptions import (
     WebhookSigner,
+    WebhookTarget,
     WebhookUrlRejected,
     check_webhook_url,
     matches,
+    post_webhook,
     retry_delay,
 )
 
@@ -39,6 +46,8 @@ if TYPE_CHECKING:
     from conftest import Server, StartServer
 
 WAIT_SECONDS = 10.0
+ALLOW_LOOPBACK = {"PICOMQ_WEBHOOK_ALLOWED_NETWORKS": "127.0.0.0/8,::1"}
+LOOPBACK = Settings.from_environment(ALLOW_LOOPBACK).webhook_allowed_networks
 SIGNATURE = re.compile(r"t=(\d+),kid=([^,]+),ed25519=([A-Za-z0-9_-]+)")
 JSON = {"Content-Type": "application/json"}
 
@@ -51,12 +60,16 @@ class Delivery:
     body: dict
     raw: bytes
     signature: str
+    host: str  # the Host header
 
 
 class Receiver:
-    """Records every POST; answers with `replies` in turn (the last one repeats)."""
+    """Records every POST; answers with `replies` in turn (the last one repeats).
 
-    def __init__(self, replies: list[tuple[int, dict]]) -> None:
+    `headers` go with every answer (a Location, say).
+    """
+
+    def __init__(self, replies: list[tuple[int, dict]], headers: dict[str, str]) -> None:
         self.replies = list(replies)
         self.deliveries: queue.Queue[Delivery] = queue.Queue()
         receiver = self
@@ -65,7 +78,8 @@ class Receiver:
             def do_POST(self) -> None:  # noqa: N802 (the http.server API)
                 raw = self.rfile.read(int(self.headers["Content-Length"]))
                 signature = self.headers.get("Webhook-Signature", "")
-                receiver.deliveries.put(Delivery(json.loads(raw), raw, signature))
+                host = self.headers.get("Host", "")
+                receiver.deliveries.put(Delivery(json.loads(raw), raw, signature, host))
                 status, reply = receiver.replies[0]
                 if len(receiver.replies) > 1:
                     receiver.replies.pop(0)
@@ -73,6 +87,8 @@ class Receiver:
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
+                for name, value in headers.items():
+                    self.send_header(name, value)
                 self.end_headers()
                 self.wfile.write(data)
 
@@ -80,7 +96,8 @@ class Receiver:
                 pass
 
         self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.http.server_address[1]}/webhook"
+        self.port = self.http.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}/webhook"
         self.thread = threading.Thread(target=self.http.serve_forever, daemon=True)
         self.thread.start()
 
@@ -99,14 +116,32 @@ class Receiver:
 def make_receiver() -> Iterator[Callable[..., Receiver]]:
     receivers: list[Receiver] = []
 
-    def make(*replies: tuple[int, dict]) -> Receiver:
-        receiver = Receiver(list(replies) or [(200, {})])
+    def make(*replies: tuple[int, dict], headers: dict[str, str] | None = None) -> Receiver:
+        receiver = Receiver(list(replies) or [(200, {})], headers or {})
         receivers.append(receiver)
         return receiver
 
     yield make
     for receiver in receivers:
         receiver.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """This module's PicoMQ: local disk, and webhooks may reach the loopback receivers."""
+    allowing = make_server(tmp_path_factory.mktemp("picomq-subscriptions"), env=ALLOW_LOOPBACK)
+    allowing.start()
+    yield allowing
+    allowing.stop()
+
+
+@pytest.fixture(scope="module")
+def strict_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A PicoMQ with the default settings: webhooks reach public addresses only."""
+    strict = make_server(tmp_path_factory.mktemp("picomq-strict"))
+    strict.start()
+    yield strict
+    strict.stop()
 
 
 # -- helpers ---------------------------------------------------------------------------
@@ -224,11 +259,26 @@ def test_glob_segments(pattern: str, path: str, expected: bool) -> None:
         "http://localhost:3000/hook",
         "https://localhost/hook",
         "http://[::1]:8080/hook",
-        "https://93.184.216.34/hook",
+        "http://[::ffff:127.0.0.1]:8080/hook",
     ],
 )
-def test_webhook_urls_allowed(url: str) -> None:
-    check_webhook_url(url)
+def test_loopback_webhook_urls_need_the_setting(url: str) -> None:
+    with pytest.raises(WebhookUrlRejected, match="PICOMQ_WEBHOOK_ALLOWED_NETWORKS"):
+        check_webhook_url(url, ())
+    check_webhook_url(url, LOOPBACK)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "https://93.184.216.34/hook",
+        "https://[2606:2800:220:1:248:1893:25c8:1946]/hook",
+        "https://[64:ff9b::5db8:d822]/hook",  # NAT64 of 93.184.216.34
+        "https://[2002:5db8:d822::1]/hook",  # 6to4 of 93.184.216.34
+    ],
+)
+def test_public_https_webhook_urls_are_allowed(url: str) -> None:
+    check_webhook_url(url, ())
 
 
 @pytest.mark.parametrize(
@@ -238,25 +288,50 @@ def test_webhook_urls_allowed(url: str) -> None:
         "https://10.0.0.1/hook",
         "https://172.16.5.4/hook",
         "https://192.168.1.1/hook",
+        "https://100.64.0.1/hook",
         "https://169.254.169.254/latest/meta-data",
         "http://169.254.169.254/latest/meta-data",
+        "https://[fd00:ec2::254]/latest/meta-data",
         "https://[fe80::1]/hook",
+        "https://[fe80::1%25eth0]/hook",
         "https://[fd00::1]/hook",
+        "https://[fec0::1]/hook",
         "https://[::ffff:10.0.0.1]/hook",
+        "https://[::ffff:169.254.169.254]/hook",
+        "https://[64:ff9b::7f00:1]/hook",
+        "https://[64:ff9b::a9fe:a9fe]/hook",
+        "https://[64:ff9b:1::a00:1]/hook",
+        "https://[::127.0.0.1]/hook",
+        "https://[::a9fe:a9fe]/hook",
+        "https://[2002:7f00:1::1]/hook",
+        "https://[2002:a9fe:a9fe::]/hook",
+        "https://[2001:0:4136:e378:8000:63bf:3fff:fdd2]/hook",
         "https://0.0.0.0/hook",
+        "http://0.0.0.0:8080/hook",
+        "https://[::]/hook",
         "https://224.0.0.1/hook",
-        "http://example.com/hook",
+        "https://[ff02::1]/hook",
+        "http://2130706433/hook",
+        "http://0x7f.1/hook",
+        "http://0x7f000001/hook",
+        "http://0177.0.0.1/hook",
+        "http://127.1/hook",
+        "http://017700000001/hook",
+        "http://127.0.0.1./hook",
+        "http://93.184.216.34/hook",
         "ftp://127.0.0.1/hook",
         "file:///etc/passwd",
         "http://user:secret@127.0.0.1/hook",
         "http://127.0.0.1:99999/hook",
+        "http://127.0.0.1:0/hook",
+        "http://127.0.0.1/caf\u00e9",
         "not a url",
         "",
     ],
 )
-def test_webhook_urls_rejected(url: str) -> None:
+def test_webhook_urls_rejected_even_with_loopback_allowed(url: str) -> None:
     with pytest.raises(WebhookUrlRejected):
-        check_webhook_url(url)
+        check_webhook_url(url, LOOPBACK)
 
 
 def test_retry_delay_backs_off_to_a_minute_with_jitter() -> None:
@@ -331,6 +406,111 @@ def test_unsafe_webhook_url_is_rejected(server: Server, url: str) -> None:
         server, unique("sub"), type="webhook", pattern="events/*", webhook={"url": url}
     )
     assert (response.status_code, error_code(response)) == (400, "WEBHOOK_URL_REJECTED")
+
+
+LOOPBACK_SPELLINGS = [
+    "http://127.0.0.1:{port}/webhook",
+    "http://localhost:{port}/webhook",
+    "http://[::1]:{port}/webhook",
+    "http://[::ffff:127.0.0.1]:{port}/webhook",
+    "http://[64:ff9b::7f00:1]:{port}/webhook",
+    "http://[::127.0.0.1]:{port}/webhook",
+    "http://[2002:7f00:1::]:{port}/webhook",
+    "http://2130706433:{port}/webhook",
+    "http://0x7f.1:{port}/webhook",
+    "http://0177.0.0.1:{port}/webhook",
+    "http://0.0.0.0:{port}/webhook",
+]
+
+
+@pytest.mark.parametrize("spelling", LOOPBACK_SPELLINGS)
+def test_loopback_receivers_are_refused_by_default(
+    strict_server: Server, make_receiver, spelling: str
+) -> None:
+    receiver = make_receiver()
+    url = spelling.format(port=receiver.port)
+    response = put_subscription(strict_server, unique("sub"), type="webhook",
+                                pattern=f"{unique('events')}/*", webhook={"url": url})  # fmt: skip
+    assert (response.status_code, error_code(response)) == (400, "WEBHOOK_URL_REJECTED")
+    assert response.json()["error"]["message"].startswith("webhook.url")
+
+
+def test_a_loopback_receiver_is_reached_where_the_setting_allows(
+    server: Server, strict_server: Server, make_receiver
+) -> None:
+    receiver = make_receiver((200, {"done": True}))
+    prefix = unique("events")
+    url = f"http://localhost:{receiver.port}/webhook"  # 127.0.0.1, and ::1 where it has one
+    config = {"type": "webhook", "pattern": f"{prefix}/*", "webhook": {"url": url}}
+    refused = put_subscription(strict_server, unique("sub"), **config)
+    assert (refused.status_code, error_code(refused)) == (400, "WEBHOOK_URL_REJECTED")
+    assert put_subscription(server, unique("sub"), **config).status_code == 201
+    create_stream(server, f"{prefix}/a", {"n": 1})
+    delivery = receiver.next()
+    assert delivery.host == f"localhost:{receiver.port}"
+    assert [stream["path"] for stream in delivery.body["streams"]] == [f"{prefix}/a"]
+
+
+def test_each_delivery_checks_the_url_again(start_server: StartServer, make_receiver) -> None:
+    """A subscription made while loopback was allowed delivers nothing once it is not."""
+    allowing = start_server(env=ALLOW_LOOPBACK)
+    receiver = make_receiver((200, {"done": True}))
+    subscription_id, prefix = unique("sub"), unique("events")
+    created = put_subscription(allowing, subscription_id, type="webhook",
+                               pattern=f"{prefix}/*", webhook={"url": receiver.url})  # fmt: skip
+    assert created.status_code == 201
+    allowing.stop()
+    del allowing.env["PICOMQ_WEBHOOK_ALLOWED_NETWORKS"]
+    allowing.start()
+    create_stream(allowing, f"{prefix}/a", {"n": 1})
+    wait_until(
+        lambda: get_subscription(allowing, subscription_id)["status"] == "failed",
+        "a delivery attempt that fails",
+    )
+    assert receiver.deliveries.empty()
+
+
+def test_deliveries_never_go_through_an_environment_proxy(
+    start_server: StartServer, make_receiver
+) -> None:
+    """A proxy would resolve the host itself, after the check: no proxy is ever used."""
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    proxies = {name: nowhere for name in ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy")}
+    proxied = start_server(env={**ALLOW_LOOPBACK, **proxies, "NO_PROXY": "", "no_proxy": ""})
+    receiver = make_receiver((200, {"done": True}))
+    prefix = unique("events")
+    created = put_subscription(proxied, unique("sub"), type="webhook", pattern=f"{prefix}/*",
+                               webhook={"url": receiver.url})  # fmt: skip
+    assert created.status_code == 201
+    create_stream(proxied, f"{prefix}/a", {"n": 1})
+    assert receiver.next().body["streams"][0]["path"] == f"{prefix}/a"
+
+
+def test_redirects_are_not_followed(server: Server, make_receiver) -> None:
+    elsewhere = make_receiver()
+    redirecting = make_receiver((307, {}), headers={"Location": elsewhere.url})
+    prefix = unique("events")
+    created = put_subscription(server, unique("sub"), type="webhook", pattern=f"{prefix}/*",
+                               webhook={"url": redirecting.url})  # fmt: skip
+    assert created.status_code == 201
+    create_stream(server, f"{prefix}/a", {"n": 1})
+    first, retry = redirecting.next(), redirecting.next()  # a 3xx is a failed attempt
+    assert retry.body["wake_id"] == first.body["wake_id"]
+    assert elsewhere.deliveries.empty()
+
+
+def test_a_post_goes_to_the_checked_address_under_the_urls_host(make_receiver) -> None:
+    """No second lookup: `.invalid` never resolves (RFC 6761), yet the POST arrives.
+
+    The receiver listens on 127.0.0.1 only, so [::1] refuses and the next address is tried.
+    """
+    receiver = make_receiver((200, {"done": True}))
+    addresses = (IPv6Address("::1"), IPv4Address("127.0.0.1"))
+    target = WebhookTarget("http", "rebinding.invalid", receiver.port, "/webhook?a=1", addresses)
+    status, reply = post_webhook(target, b'{"n": 1}', dict(JSON))
+    assert (status, json.loads(reply)) == (200, {"done": True})
+    delivery = receiver.next()
+    assert (delivery.host, delivery.body) == (f"rebinding.invalid:{receiver.port}", {"n": 1})
 
 
 @pytest.mark.parametrize(
@@ -581,13 +761,13 @@ def test_pull_wake_lease_expiry_fences_the_old_holder(server: Server) -> None:
 def restartable_server(request: pytest.FixtureRequest, start_server: StartServer) -> Server:
     """A PicoMQ of its own, on local disk or on a fresh bucket of the session's moto S3."""
     if request.param == "local":
-        return start_server()
+        return start_server(env=ALLOW_LOOPBACK)
     endpoint = request.getfixturevalue("moto_s3")
     bucket = unique("subscriptions")
     assert requests.put(f"{endpoint}/{bucket}", timeout=10).status_code == 200
     env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}  # fmt: skip
-    return start_server(storage_url=f"s3://{bucket}/picomq", env=env)
+    return start_server(storage_url=f"s3://{bucket}/picomq", env={**env, **ALLOW_LOOPBACK})
 
 
 def test_subscriptions_survive_a_restart(restartable_server: Server, make_receiver) -> None:
