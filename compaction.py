@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import itertools
 import logging
+from array import array
 from typing import TYPE_CHECKING
 
 import gevent
 
 from objectstore import StorageUnavailable
-from segments import CorruptSegment, encode_segment
+from segments import CorruptSegment, SegmentIndex, encode_segment, positions
 
 if TYPE_CHECKING:
     from storage import StreamStore, _Stream
@@ -56,8 +57,7 @@ def _compact(store: StreamStore, stream: _Stream) -> None:
             for index, _ in headers
         )
         end, state = headers[-1][0].end, headers[-1][1]
-        appends = [end for index, _ in headers for end in index.append_ends]
-        messages = [end for index, _ in headers for end in index.message_ends]
+        appends, messages = _pack_ends(run[0], [index for index, _ in headers])
         pack = stream.pack_key(run[0], end)
         try:
             data, _ = encode_segment(run[0], payload, appends, messages, state)
@@ -71,6 +71,21 @@ def _compact(store: StreamStore, stream: _Stream) -> None:
         log.warning("compaction of %s postponed: %s", stream.config.path, error)
     finally:
         stream.housekeeping = False
+
+
+def _pack_ends(start: int, indexes: list[SegmentIndex]) -> tuple[array, array]:
+    """The append and message ends of the segments of a pack, relative to its start.
+
+    A run holds up to compact_max_bytes of small messages: the loop yields between
+    segments, so other requests never wait on more than one segment's worth.
+    """
+    appends, messages = positions(), positions()
+    for index in indexes:
+        shift = index.start - start
+        appends.extend(end + shift for end in index.append_ends)
+        messages.extend(end + shift for end in index.message_ends)
+        gevent.sleep(0)
+    return appends, messages
 
 
 def _unpacked_run(stream: _Stream, max_segments: int, max_bytes: int) -> list[int]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -28,6 +28,7 @@ import localdisk
 from dirwatch import Cancel, OnCreate
 
 T = TypeVar("T")
+V = TypeVar("V")
 
 READ_CHUNK_BYTES = 256 * 1024
 
@@ -75,34 +76,37 @@ def _run_here(function: Callable[..., T], *args: object, **kwargs: object) -> T:
     return function(*args, **kwargs)
 
 
-class ObjectCache:
+class ObjectCache(Generic[V]):
     """Recently written or read immutable objects, least recently used out first.
 
     Segments never change once written, so a cached copy is always right. Live
     readers of a stream all want the segment that was just written: with the cache,
     one write feeds any number of them without a storage request, and data already
-    read stays readable while the object store is down.
+    read stays readable while the object store is down. What it holds is bounded in
+    bytes: each value's `len`, or the size its `put` names (a segment's index).
     """
 
     def __init__(self, capacity_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes
         self.size_bytes = 0
-        self._objects: OrderedDict[Hashable, bytes] = OrderedDict()
+        self._objects: OrderedDict[Hashable, tuple[V, int]] = OrderedDict()
 
-    def get(self, key: Hashable) -> bytes | None:
-        data = self._objects.get(key)
-        if data is not None:
-            self._objects.move_to_end(key)
-        return data
+    def get(self, key: Hashable) -> V | None:
+        entry = self._objects.get(key)
+        if entry is None:
+            return None
+        self._objects.move_to_end(key)
+        return entry[0]
 
-    def put(self, key: Hashable, data: bytes) -> None:
-        if len(data) > self.capacity_bytes // 8 or key in self._objects:
+    def put(self, key: Hashable, value: V, size: int | None = None) -> None:
+        size = len(value) if size is None else size  # type: ignore[arg-type]
+        if size > self.capacity_bytes // 8 or key in self._objects:
             return
-        self._objects[key] = data
-        self.size_bytes += len(data)
+        self._objects[key] = (value, size)
+        self.size_bytes += size
         while self.size_bytes > self.capacity_bytes:
-            _, evicted = self._objects.popitem(last=False)
-            self.size_bytes -= len(evicted)
+            _, (_, evicted) = self._objects.popitem(last=False)
+            self.size_bytes -= evicted
 
 
 class ObjectStore:

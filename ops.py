@@ -30,7 +30,14 @@ from metrics import (
 )
 from picomq import BadRequest, error_response, format_offset, parse_decimal
 from settings import Settings
-from storage import StorageUnavailable, StreamGone, StreamInfo, StreamNotFound, StreamStore
+from storage import (
+    StorageUnavailable,
+    StoreError,
+    StreamGone,
+    StreamInfo,
+    StreamNotFound,
+    StreamStore,
+)
 
 log = logging.getLogger("picomq.ops")
 
@@ -145,6 +152,9 @@ def page_of(store: StreamStore, paths: list[str], limit: int) -> tuple[list[dict
             info = store.head(path)
         except (StreamNotFound, StreamGone):
             continue  # deleted (or expired) since the listing
+        except StoreError as error:  # one stream that cannot be served never breaks a page
+            log.warning("listing skipped %s: %s", path, error)
+            continue
         if len(streams) == limit:
             return streams, True
         streams.append(format_stream(info))

@@ -1,22 +1,35 @@
 """The byte layout of one segment: an immutable object holding a batch of appends.
 
-A segment carries the data of one group commit together with the complete stream
-state after that batch (closed flag, idempotent-producer epochs and sequences,
-Stream-Seq). Data and state land in one create-only object, so after a crash they
-can never disagree, and loading a stream only needs its last segment.
+A segment carries the data of one group commit together with the stream state after
+that batch (closed flag, Stream-Seq, idempotent producers). Data and state land in one
+create-only object, so after a crash they can never disagree, and loading a stream
+only needs its last segment.
 
     b"PMQ1" | header length (u32) | header CRC-32 (u32) | header JSON | payload
 
 The header names the offsets the segment covers and where each append and each JSON
-message ends; the payload is the appended bytes (for JSON streams each message is
-stored serialised and followed by a comma, so a read is a byte copy plus brackets).
+message ends, as little-endian u32 positions relative to the segment's start, in
+base64: four bytes a message whatever its shape, decoded without a Python object per
+message. Segments written before 2026-12-06 list absolute ends as JSON numbers; both
+are read. The payload is the appended bytes (for JSON streams each message is stored
+serialised and followed by a comma, so a read is a byte copy plus brackets).
+
+A stream may have had thousands of producers, so a segment does not carry the whole
+producer table: only the entries changed since the table's last snapshot, an object of
+its own that the header names (`producer_snapshot`; none: the segment carries every
+entry). The store writes a new snapshot when the changes outgrow
+PRODUCER_CHANGES_BYTES (storage.py).
 """
 
 from __future__ import annotations
 
+import base64
+import bisect
 import struct
+import sys
 import time
 import zlib
+from array import array
 from dataclasses import dataclass, field
 
 import orjson
@@ -24,6 +37,12 @@ import orjson
 MAGIC = b"PMQ1"
 PREFIX = struct.Struct(">4sII")
 HEADER_PROBE_BYTES = 64 * 1024
+POSITION_TYPE = "I"  # u32: a segment holds less than 4 GiB (storage.py's MAX_BATCH_BYTES)
+LITTLE_ENDIAN = sys.byteorder == "little"
+
+# A producer's entry: its epoch, its last sequence number, and when it last appended
+# (seconds since the epoch), by which idle producers expire.
+ProducerEntry = tuple[int, int, int]
 
 
 class CorruptSegment(Exception):
@@ -32,49 +51,123 @@ class CorruptSegment(Exception):
 
 @dataclass
 class StreamState:
-    """What a write must be validated against; copied, changed, then committed."""
+    """What a write must be validated against; copied, changed, then committed.
+
+    `producers` is the whole table, except in a state just decoded from a header that
+    names a `producer_snapshot`: then it holds only the entries changed since that
+    snapshot, until the store merges the snapshot in. `producers_changed` names the
+    entries a segment written from this state carries.
+    """
 
     tail: int = 0
     closed: bool = False
-    producers: dict[str, tuple[int, int]] = field(default_factory=dict)
+    producers: dict[str, ProducerEntry] = field(default_factory=dict)
     closer: tuple[str, int, int] | None = None
     stream_seq: str | None = None
+    producer_snapshot: str | None = None
+    producers_changed: set[str] = field(default_factory=set)
 
     def copy(self) -> StreamState:
         return StreamState(
-            self.tail, self.closed, dict(self.producers), self.closer, self.stream_seq
+            self.tail,
+            self.closed,
+            dict(self.producers),
+            self.closer,
+            self.stream_seq,
+            self.producer_snapshot,
+            set(self.producers_changed),
         )
+
+    def changed_producers(self) -> dict[str, ProducerEntry]:
+        return {key: self.producers[key] for key in self.producers_changed}
+
+
+def positions(values: list[int] | None = None) -> array:
+    """An empty (or filled) array of relative positions, as SegmentIndex holds them."""
+    return array(POSITION_TYPE, values or ())
 
 
 @dataclass(frozen=True)
 class SegmentIndex:
-    """Where a segment's data sits and where its appends and messages end."""
+    """Where a segment's data sits and where its appends and messages end.
+
+    Ends are kept relative to `start` in u32 arrays: 4 bytes a message in memory, and
+    `nbytes` tells a cache what an index costs.
+    """
 
     start: int
     end: int
     payload_position: int
-    append_ends: tuple[int, ...]
-    message_ends: tuple[int, ...]
+    append_ends: array
+    message_ends: array
     payload_crc: int | None = None
     written_at: float = 0.0
     token: str = ""
+
+    @property
+    def nbytes(self) -> int:
+        """Roughly what this index holds in memory."""
+        sizes = self.append_ends.itemsize * (len(self.append_ends) + len(self.message_ends))
+        return 200 + len(self.token) + sizes
+
+    def ends(self, messages: bool) -> array:
+        """Where its JSON messages end, or (`messages` False) its appends: the units a
+        read starts and ends at."""
+        return self.message_ends if messages else self.append_ends
+
+    def is_end(self, offset: int, messages: bool) -> bool:
+        ends = self.ends(messages)
+        position = bisect.bisect_left(ends, offset - self.start)
+        return position < len(ends) and ends[position] == offset - self.start
+
+    def last_end(self, low: int, high: int, messages: bool) -> int | None:
+        """The last end in (low, high], if any."""
+        ends = self.ends(messages)
+        position = bisect.bisect_right(ends, high - self.start) - 1
+        if position >= 0 and ends[position] > low - self.start:
+            return self.start + ends[position]
+        return None
+
+    def first_end(self, low: int, messages: bool) -> int | None:
+        """The first end after `low`, if any."""
+        ends = self.ends(messages)
+        position = bisect.bisect_right(ends, low - self.start)
+        return self.start + ends[position] if position < len(ends) else None
+
+    def ends_in(self, low: int, high: int, messages: bool) -> list[int]:
+        """The ends in (low, high], in order."""
+        ends, start = self.ends(messages), self.start
+        first = bisect.bisect_right(ends, low - start)
+        last = bisect.bisect_right(ends, high - start)
+        return [start + end for end in ends[first:last]]
+
+    def start_around(self, offset: int, messages: bool) -> int:
+        """Where the message (or append) holding the byte at `offset` starts."""
+        ends = self.ends(messages)
+        position = bisect.bisect_right(ends, offset - self.start)
+        return self.start + (ends[position - 1] if position else 0)
+
+    def append_around(self, offset: int) -> tuple[int, int]:
+        """The append holding the byte at `offset`: (its start, its end)."""
+        start = self.start_around(offset, messages=False)
+        return start, self.first_end(offset, messages=False) or self.end
 
 
 def encode_segment(
     start: int,
     payload: bytes,
-    append_ends: list[int],
-    message_ends: list[int],
+    append_ends: array,
+    message_ends: array,
     state: StreamState,
     written_at: float | None = None,
     token: str = "",
 ) -> tuple[bytes, SegmentIndex]:
     """The segment's bytes, and its index: the writer need not parse what it just wrote.
 
-    `written_at` (default: now) dates the newest data in it, for age-based retention.
-    `token` is unique to one write attempt: when an object store stores a segment but
-    the answer is lost, the retried create fails, and the token tells our own segment
-    from another writer's.
+    `append_ends` and `message_ends` are relative to `start`. `written_at` (default:
+    now) dates the newest data in it, for age-based retention. `token` is unique to one
+    write attempt: when an object store stores a segment but the answer is lost, the
+    retried create fails, and the token tells our own segment from another writer's.
     """
     payload_crc = zlib.crc32(payload)
     written_at = time.time() if written_at is None else written_at
@@ -82,10 +175,11 @@ def encode_segment(
         {
             "start": start,
             "end": state.tail,
-            "appends": append_ends,
-            "messages": message_ends,
+            "append_ends": _encode_positions(append_ends),
+            "message_ends": _encode_positions(message_ends),
             "closed": state.closed,
-            "producers": state.producers,
+            "producers": state.changed_producers(),
+            "producer_snapshot": state.producer_snapshot,
             "closer": state.closer,
             "stream_seq": state.stream_seq,
             "payload_crc": payload_crc,
@@ -97,8 +191,8 @@ def encode_segment(
         start=start,
         end=state.tail,
         payload_position=PREFIX.size + len(header),
-        append_ends=tuple(append_ends),
-        message_ends=tuple(message_ends),
+        append_ends=append_ends,
+        message_ends=message_ends,
         payload_crc=payload_crc,
         written_at=written_at,
         token=token,
@@ -123,25 +217,60 @@ def decode_header(head: bytes) -> tuple[SegmentIndex, StreamState]:
     if len(header) != length or zlib.crc32(header) != checksum:
         raise CorruptSegment("segment header checksum mismatch")
     fields = orjson.loads(header)
+    start, written_at = fields["start"], fields.get("written_at", 0.0)
     index = SegmentIndex(
-        start=fields["start"],
+        start=start,
         end=fields["end"],
         payload_position=PREFIX.size + length,
-        append_ends=tuple(fields["appends"]),
-        message_ends=tuple(fields["messages"]),
+        append_ends=_decode_positions(fields, "append_ends", "appends", start),
+        message_ends=_decode_positions(fields, "message_ends", "messages", start),
         payload_crc=fields.get("payload_crc"),
-        written_at=fields.get("written_at", 0.0),
+        written_at=written_at,
         token=fields.get("token", ""),
     )
     closer = fields["closer"]
+    # Entries written before producers expired carry no time: they count from the segment's.
+    producers = {
+        key: (value[0], value[1], value[2] if len(value) > 2 else int(written_at))
+        for key, value in fields["producers"].items()
+    }
     state = StreamState(
         tail=fields["end"],
         closed=fields["closed"],
-        producers={key: (value[0], value[1]) for key, value in fields["producers"].items()},
+        producers=producers,
         closer=(closer[0], closer[1], closer[2]) if closer else None,
         stream_seq=fields["stream_seq"],
+        producer_snapshot=fields.get("producer_snapshot"),
+        producers_changed=set(producers),
     )
     return index, state
+
+
+def _encode_positions(values: array) -> str:
+    if not LITTLE_ENDIAN:
+        values = array(POSITION_TYPE, values)
+        values.byteswap()
+    return base64.b64encode(values.tobytes()).decode()
+
+
+def _decode_positions(fields: dict, name: str, legacy_name: str, start: int) -> array:
+    """Relative positions from `name`, or from a legacy header's absolute `legacy_name`."""
+    if name not in fields:
+        return positions([end - start for end in fields[legacy_name]])
+    values = positions()
+    values.frombytes(base64.b64decode(fields[name]))
+    if not LITTLE_ENDIAN:
+        values.byteswap()
+    return values
+
+
+def encode_producer_table(producers: dict[str, ProducerEntry]) -> bytes:
+    """A producer snapshot's bytes (create-only, written whole before any segment names it)."""
+    return orjson.dumps(producers)
+
+
+def decode_producer_table(data: bytes) -> dict[str, ProducerEntry]:
+    return {key: (value[0], value[1], value[2]) for key, value in orjson.loads(data).items()}
 
 
 def verify_payload(data: bytes, index: SegmentIndex) -> None:

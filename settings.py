@@ -21,6 +21,7 @@ from cryptography.hazmat.primitives.serialization import load_pem_public_key
 MIN_JWT_SECRET_BYTES = 32  # HS256: a key at least as long as the hash (RFC 7518 3.2)
 MIN_RSA_KEY_BITS = 2048
 MAX_JSON_DEPTH = 200  # well below the 1,000 levels at which msgspec stops parsing
+MAX_REQUEST_BYTES = 1024**3  # a segment's positions are u32 (segments.py)
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -72,6 +73,13 @@ def _non_empty(text: str) -> str:
     if not text.strip():
         raise ValueError("must not be empty")
     return text.strip()
+
+
+def _request_bytes(text: str) -> int:
+    value = _positive_int(text)
+    if value > MAX_REQUEST_BYTES:
+        raise ValueError(f"must be at most {MAX_REQUEST_BYTES}")
+    return value
 
 
 def _json_depth(text: str) -> int:
@@ -158,8 +166,15 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "max_request_bytes",
         str(16 * 1024 * 1024),
+        _request_bytes,
+        f"Largest request body accepted, in bytes (at most {MAX_REQUEST_BYTES});"
+        " larger bodies get 413.",
+    ),
+    Setting(
+        "max_append_messages",
+        "100000",
         _positive_int,
-        "Largest request body accepted, in bytes; larger bodies get 413.",
+        "Most messages in one JSON append (the items of its array); more gets 413.",
     ),
     Setting(
         "max_read_bytes",
@@ -225,6 +240,13 @@ SETTINGS: tuple[Setting, ...] = (
         "Bytes of recently written or read segments each worker keeps in memory.",
     ),
     Setting(
+        "index_cache_bytes",
+        str(64 * 1024 * 1024),
+        _positive_int,
+        "Bytes of stream handles and segment indexes (message and append ends, producer"
+        " tables) each worker keeps in memory; half for each.",
+    ),
+    Setting(
         "retention_age",
         "none",
         _optional_positive_int,
@@ -279,6 +301,7 @@ class Settings:
     long_poll_timeout: float
     sse_max_duration: float
     max_request_bytes: int
+    max_append_messages: int
     max_read_bytes: int
     max_json_depth: int
     max_header_bytes: int
@@ -289,6 +312,7 @@ class Settings:
     jwt_audience: str | None
     webhook_allowed_networks: tuple[Network, ...]
     cache_bytes: int
+    index_cache_bytes: int
     retention_age: int | None
     retention_bytes: int | None
     index_max_age: float

@@ -47,6 +47,7 @@ import os
 import random
 import time
 import uuid
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -65,11 +66,15 @@ from objectstore import ObjectCache, ObjectStore, StorageUnavailable
 from segments import (
     HEADER_PROBE_BYTES,
     CorruptSegment,
+    ProducerEntry,
     SegmentIndex,
     StreamState,
     decode_header,
+    decode_producer_table,
+    encode_producer_table,
     encode_segment,
     header_length,
+    positions,
     verify_payload,
 )
 from wakeups import Wakeups
@@ -86,9 +91,27 @@ log = logging.getLogger("picomq.storage")
 OFFSET_DIGITS = 20
 MAX_KEY_LENGTH = 200
 STREAM_KEYS_REMEMBERED = 1024  # a request line caps a path at 8 KiB: 8 MiB at most
+HASHED_PREFIX = "%h"  # a stream key that no percent-encoded path can be (`stream_key`)
+LEGACY_HASHED_PREFIX = "~"
 CONTENTION_LIMIT_SECONDS = 5.0
+# A batch is committed as one segment, whose positions are u32 (segments.py): at most
+# this much data, or one append if larger.
+MAX_BATCH_BYTES = 64 * 1024 * 1024
+# Forks of forks load recursively; a chain deeper than this is refused (400 at create).
+MAX_FORK_DEPTH = 32
+# Idempotent producers (see `_snapshot_producers_if_due` and `_forget_producers`); the
+# HTTP layer refuses longer ids and Stream-Seq values with 400.
+MAX_PRODUCER_ID_BYTES = 256
+MAX_STREAM_SEQ_BYTES = 256
+MAX_PRODUCERS = 1000
+PRODUCER_IDLE_SECONDS = 7 * 24 * 3600  # as the reference server and Kafka's default
+PRODUCER_ENTRY_BYTES = MAX_PRODUCER_ID_BYTES + 64  # an upper bound, encoded or in memory
+PRODUCER_CHANGES_BYTES = 16 * 1024
+ENCODED_ENTRY_BYTES = 40  # an entry's quotes, brackets and numbers, besides its id
+# What a stream handle holds besides its producers: fields, and per piece its start.
+HANDLE_BYTES = 2048
+PIECE_BYTES = 100
 INTERRUPTED_APPEND = "the append was interrupted; it may have been written"
-SEGMENT_INDEXES_KEPT = 1024  # per stream; a few hundred bytes each
 # A fork being created marks its source, then writes its meta.json within
 # FORK_SETUP_SECONDS or gives up. Until a marker is FORK_MARKER_SECONDS old, a delete
 # of the source counts it as a fork even without that meta.json; the margin covers
@@ -159,15 +182,23 @@ class Payload:
     message_lengths: tuple[int, ...] = ()  # JSON: each message's, without its comma
 
     @staticmethod
-    def from_messages(messages: Sequence[Buffer]) -> Payload:
+    def from_messages(messages: Sequence[Buffer], array: bytes | None = None) -> Payload:
         """Each message followed by a comma; batches of 1,000 pass here, so no Python loop.
 
         Messages may be any buffer (bytes, or views of a request body), never copied twice.
         Lengths, not ends: where a message ends is known once the commit places the
         payload, and working it out there alone makes one pass over 1,000 integers, not two.
+        When `array` (the JSON text the messages came from) holds them with nothing
+        between but commas, as JSON encoders write, its inside is the payload already:
+        one copy instead of a join that visits every message.
         """
+        lengths = tuple(map(len, messages))
+        if array is not None and messages:
+            first, last = array.index(b"[") + 1, array.rindex(b"]")
+            if sum(lengths) + len(lengths) - 1 == last - first:
+                return Payload(b"".join((memoryview(array)[first:last], b",")), lengths)
         data = b",".join([*messages, b""]) if messages else b""
-        return Payload(data, tuple(map(len, messages)))
+        return Payload(data, lengths)
 
 
 @dataclass(frozen=True)
@@ -241,6 +272,8 @@ class StoreSettings:
     linger_fraction: float = 0.0  # wait this share of the last write before the next batch
     cached_streams: int = 10_000
     cache_bytes: int = 64 * 1024 * 1024
+    index_cache_bytes: int = 32 * 1024 * 1024  # segment indexes (their message ends)
+    handle_cache_bytes: int = 32 * 1024 * 1024  # stream handles (pieces, producer tables)
     compact_after: int = 64
     compact_max_segments: int = 1024
     # A pack holds at most this much data; a segment of a sixteenth of it or more is
@@ -306,15 +339,31 @@ def media_type(content_type: str) -> str:
 def stream_key(path: str) -> str:
     """One safe file name per stream path: percent-encoded, or hashed when too long.
 
-    Hashed names start with '~', which percent-encoding never leaves unescaped, so
-    the two kinds cannot collide. Remembered: an append encodes its stream's name
-    three times (its handle's check and keys), and `quote` was 3 % of a single
-    append's CPU time (py-spy, appends-1).
+    Percent-encoding writes only letters, digits, `-_.~` and `%` followed by two
+    upper-case hex digits, so no path encodes to a name that starts with HASHED_PREFIX
+    (`%` and a letter that is not hex): the two kinds cannot collide. Remembered: an
+    append encodes its stream's name three times (its handle's check and keys), and
+    `quote` was 3 % of a single append's CPU time (py-spy, appends-1).
     """
     encoded = quote(path, safe="-_.")
     if len(encoded) <= MAX_KEY_LENGTH and encoded not in (".", ".."):
         return encoded
-    return "~" + hashlib.sha256(path.encode()).hexdigest()
+    return HASHED_PREFIX + hashlib.sha256(path.encode()).hexdigest()
+
+
+def legacy_stream_key(path: str) -> str | None:
+    """Where releases before 2026-12-06 kept a path too long to encode (None: not one).
+
+    They named it `~<sha256>`, which the percent-encoding of the short path
+    `~<sha256>` also gives: such a folder is the long path's only if its meta.json says
+    so (`StreamStore._locate`).
+    """
+    key = stream_key(path)
+    return LEGACY_HASHED_PREFIX + key[len(HASHED_PREFIX) :] if is_hashed_key(key) else None
+
+
+def is_hashed_key(key: str) -> bool:
+    return key.startswith(HASHED_PREFIX)
 
 
 def segment_name(position: int) -> str:
@@ -333,13 +382,13 @@ class _Pending:
 @dataclass(eq=False)
 class _Stream:
     config: StreamConfig
+    key: str  # its folder under streams/ (`stream_key`, or `legacy_stream_key`)
     identity: object
     state: StreamState
     base: int
     source: _Stream | None
     starts: list[int] = field(default_factory=list)
     keys: dict[int, str] = field(default_factory=dict)
-    segments: dict[str, SegmentIndex] = field(default_factory=dict)  # by object key
     indexed_at: float = 0.0
     unpacked: int = 0
     housekeeping: bool = False  # compaction or retention is at work (one at a time)
@@ -359,10 +408,16 @@ class _Stream:
     last_info: StreamInfo | None = None
     gone: bool = False
     erased: bool = False  # deleted through this handle: its waiters must not wait on
+    depth: int = 0  # how many forks lie between it and a stream that is no fork
+    counted_bytes: int = 0  # its footprint when the handle cache last counted it
 
     @functools.cached_property
     def prefix(self) -> str:
-        return f"streams/{stream_key(self.config.path)}/{self.config.incarnation}"
+        return f"streams/{self.key}/{self.config.incarnation}"
+
+    @property
+    def meta_key(self) -> str:
+        return _meta_key(self.key)
 
     @property
     def is_json(self) -> bool:
@@ -381,18 +436,11 @@ class _Stream:
         """The object holding the data at `start`: a pack once compacted, else the segment."""
         return self.keys.get(start) or self.segment_key(start)
 
-    def remember_segment(self, key: str, index: SegmentIndex) -> None:
-        """Keep a piece's index, forgetting the oldest kept beyond SEGMENT_INDEXES_KEPT.
-
-        Live readers want the newest pieces and a catch-up read each piece once, so the
-        oldest go first; without a bound a stream appended to for a minute between
-        re-listings would keep an index of every segment written.
-        """
-        segments = self.segments
-        segments.pop(key, None)
-        segments[key] = index
-        while len(segments) > SEGMENT_INDEXES_KEPT:
-            del segments[next(iter(segments))]
+    def footprint(self) -> int:
+        """About the bytes this handle holds: it grows with its pieces and producers."""
+        pieces = len(self.starts) + len(self.keys)
+        producers = len(self.state.producers)
+        return HANDLE_BYTES + PIECE_BYTES * pieces + PRODUCER_ENTRY_BYTES * producers
 
     def add_start(self, start: int) -> None:
         """Index a segment once, whether our writer or a refresh saw it first."""
@@ -433,14 +481,76 @@ class _Stream:
 
 @dataclass
 class _Plan:
-    """The outcome of validating one batch against the current state."""
+    """The outcome of validating one batch against the current state.
+
+    Ends are relative to `start`, the tail the batch was planned at.
+    """
 
     state: StreamState
+    start: int = -1
     payload: list[bytes] = field(default_factory=list)
-    append_ends: list[int] = field(default_factory=list)
-    message_ends: list[int] = field(default_factory=list)
+    append_ends: array = field(default_factory=positions)
+    message_ends: array = field(default_factory=positions)
     outcomes: list[object] = field(default_factory=list)
     writes: bool = False
+
+    def __post_init__(self) -> None:
+        self.start = self.state.tail
+
+
+class _Handles:
+    """The stream handles a process keeps, least recently used first, and their size.
+
+    A handle's size changes as its stream grows (`_Stream.footprint`): it is counted
+    again after commits (`recount`), so the cache is bounded in bytes as well as in
+    handles. Handles with waiters or a writer are never forgotten: another handle of
+    the same stream would not see their commits.
+    """
+
+    def __init__(self) -> None:
+        self._handles: OrderedDict[str, _Stream] = OrderedDict()
+        self.size_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._handles)
+
+    def __getitem__(self, path: str) -> _Stream:
+        return self._handles[path]
+
+    def get(self, path: str) -> _Stream | None:
+        return self._handles.get(path)
+
+    def move_to_end(self, path: str) -> None:
+        self._handles.move_to_end(path)
+
+    def put(self, path: str, stream: _Stream) -> None:
+        self.discard(path)
+        self._handles[path] = stream
+        stream.counted_bytes = 0
+        self.recount(stream)
+
+    def discard(self, path: str, stream: _Stream | None = None) -> None:
+        """Forget the handle of `path` (only if it is `stream`, when given)."""
+        held = self._handles.get(path)
+        if held is not None and (stream is None or held is stream):
+            del self._handles[path]
+            self.size_bytes -= held.counted_bytes
+
+    def recount(self, stream: _Stream) -> int:
+        """Count `stream`'s footprint anew, if it is held; the cache's size in bytes."""
+        if self._handles.get(stream.config.path) is stream:
+            footprint = stream.footprint()
+            self.size_bytes += footprint - stream.counted_bytes
+            stream.counted_bytes = footprint
+        return self.size_bytes
+
+    def shrink(self, most_handles: int, most_bytes: int) -> None:
+        while len(self._handles) > most_handles or self.size_bytes > most_bytes:
+            oldest_path, oldest = next(iter(self._handles.items()))
+            if oldest.waiters or oldest.writing:
+                self._handles.move_to_end(oldest_path)
+                return
+            self.discard(oldest_path)
 
 
 def _raise_if_retired(stream: _Stream) -> None:
@@ -449,6 +559,17 @@ def _raise_if_retired(stream: _Stream) -> None:
         raise StreamGone(f"stream {stream.config.path} was deleted")
     if stream.erased:
         raise StreamNotFound(f"stream {stream.config.path} was deleted")
+
+
+def _take_batch(pending: list[_Pending]) -> tuple[list[_Pending], list[_Pending]]:
+    """The appends of the next segment (up to MAX_BATCH_BYTES, one at least), and the rest."""
+    size = 0
+    for taken, waiting in enumerate(pending):
+        payload = waiting.request.payload
+        size += len(payload.data) if payload is not None else 0
+        if size > MAX_BATCH_BYTES and taken:
+            return pending[:taken], pending[taken:]
+    return pending, []
 
 
 def _fail_unanswered(batch: list[_Pending], error: Exception) -> None:
@@ -463,8 +584,9 @@ def _end_waits(stream: _Stream) -> None:
     stream.notify()
 
 
-def _meta_key(path: str) -> str:
-    return f"streams/{stream_key(path)}/meta.json"
+def _meta_key(key: str) -> str:
+    """The config of the stream kept in folder `key`: the commit point of its create."""
+    return f"streams/{key}/meta.json"
 
 
 class StreamStore:
@@ -485,8 +607,9 @@ class StreamStore:
         self.objects = objects
         self.settings = settings or StoreSettings()
         self.writer_locks = writer_locks
-        self.cache = ObjectCache(self.settings.cache_bytes)
-        self._streams: OrderedDict[str, _Stream] = OrderedDict()
+        self.cache: ObjectCache[bytes] = ObjectCache(self.settings.cache_bytes)
+        self.indexes: ObjectCache[SegmentIndex] = ObjectCache(self.settings.index_cache_bytes)
+        self._streams = _Handles()
         self._building: dict[tuple[str, object], AsyncResult] = {}  # handles being loaded
         self.listeners: list[Callable[[StreamInfo], None]] = []
         self.commit_observers: list[Callable[[int], None]] = []  # appends per group commit
@@ -555,30 +678,46 @@ class StreamStore:
             self.objects.touch(f"{stream.prefix}/touched")
 
     def _current_handle(self, path: str) -> _Stream:
-        identity = self.objects.identity(_meta_key(path))
+        key, identity = self._locate(path)
         if identity is None:
-            self._streams.pop(path, None)
+            self._streams.discard(path)
             raise StreamNotFound(f"stream {path} not found")
         stream = self._streams.get(path)
         if stream is not None and stream.identity == identity:
             self._streams.move_to_end(path)
             return stream
-        return self._load(path, identity)
+        return self._load(path, key, identity)
 
-    def _load(self, path: str, identity: object) -> _Stream:
+    def _locate(self, path: str) -> tuple[str, object | None]:
+        """The folder that holds `path`'s stream, and its meta.json's identity (None: none).
+
+        A long path written by an older release lives under its legacy key, looked up
+        only when the current key holds nothing: one more stat or HEAD for those alone.
+        """
+        key = stream_key(path)
+        identity = self.objects.identity(_meta_key(key))
+        legacy = legacy_stream_key(path) if identity is None else None
+        if legacy is not None:
+            legacy_identity = self.objects.identity(_meta_key(legacy))
+            if legacy_identity is not None:
+                return legacy, legacy_identity
+        return key, identity
+
+    def _load(self, path: str, key: str, identity: object, depth: int = 0) -> _Stream:
         """Build a stream's handle from storage; concurrent callers share one build.
 
         Listing and reading yield (S3). Without sharing, every request arriving while
         a handle is built would build its own, and the process would hold several
         handles of one stream: each with its own writer, contending with the others
         for the tail, and its own waiters, whom the others' commits never wake.
+        `depth` counts the forks being loaded below this one (`MAX_FORK_DEPTH`).
         """
         building = self._building.get((path, identity))
         if building is not None:
             return building.get()
         building = self._building[path, identity] = AsyncResult()
         try:
-            stream = self._build(path, identity)
+            stream = self._build(path, key, identity, depth)
             building.set(stream)
             return stream
         except BaseException as error:  # the sharers see the builder's failure too
@@ -587,16 +726,20 @@ class StreamStore:
         finally:
             del self._building[path, identity]
 
-    def _build(self, path: str, identity: object) -> _Stream:
-        try:
-            config = StreamConfig.from_json(self.objects.read(_meta_key(path)))
-        except FileNotFoundError as error:
-            raise StreamNotFound(f"stream {path} not found") from error
+    def _build(self, path: str, key: str, identity: object, depth: int) -> _Stream:
+        config = self._config_at(key)
+        if config is None or config.path != path:
+            # A folder another path's stream holds (an older release's hashed name, or a
+            # filesystem that folds case) is no stream of this path.
+            raise StreamNotFound(f"stream {path} not found")
         source, base = None, 0
         if config.fork:
-            source = self._source_handle(path, identity, config.fork)
+            if depth >= MAX_FORK_DEPTH:
+                raise StreamConflict(f"stream {path} is forked more than {MAX_FORK_DEPTH} deep")
+            source = self._source_handle(path, key, identity, config.fork, depth)
             base = config.fork.point
-        stream = _Stream(config, identity, StreamState(tail=base), base, source)
+        stream = _Stream(config, key, identity, StreamState(tail=base), base, source)
+        stream.depth = source.depth + 1 if source is not None else 0
         stream.last_access = config.created_at
         self._index(stream)
         self._remember(path, stream)
@@ -609,13 +752,11 @@ class StreamStore:
         readers must never see a half-built index or a tail older than one they saw.
         """
         starts, keys, covered, earliest = self._list_pieces(stream)
-        segments: dict[str, SegmentIndex] = {}
         state = StreamState(tail=stream.base)
         while starts:
             key = keys.get(starts[-1]) or stream.segment_key(starts[-1])
             try:
-                index, state = self._read_piece(key, whole=True)
-                segments[key] = index
+                _, state = self._read_piece(key, whole=True)
                 break
             except CorruptSegment as error:
                 self._drop_torn(key, error)
@@ -634,11 +775,12 @@ class StreamStore:
                 self._drop_torn(key, error)
                 break
             starts.append(index.start)
-            segments[key], state = index, newer
+            state = newer
+        state = self._whole_state(stream, state)
         if stream.state.tail > state.tail:  # our own writer got further meanwhile
             starts += [start for start in stream.starts if start >= state.tail]
             state = stream.state
-        stream.starts, stream.keys, stream.segments = starts, keys, segments
+        stream.starts, stream.keys = starts, keys
         stream.state, stream.earliest = state, earliest
         stream.unpacked = len(starts) - len(keys)
         stream.indexed_at = time.monotonic()
@@ -701,7 +843,7 @@ class StreamStore:
 
     def _deleted_elsewhere(self, stream: _Stream) -> bool:
         """Whether the stream's meta.json is no longer the one this handle loaded."""
-        return self.objects.identity(_meta_key(stream.config.path)) != stream.identity
+        return self.objects.identity(stream.meta_key) != stream.identity
 
     def _fresh(self, stream: _Stream) -> _Stream:
         """Re-list an index older than `index_max_age`: compaction may have moved its data.
@@ -713,9 +855,11 @@ class StreamStore:
             self._index(stream)
         return stream
 
-    def _source_handle(self, path: str, identity: object, fork: ForkOrigin) -> _Stream:
-        """The source of the fork at `path` (its meta.json `identity`), by incarnation:
-        soft-deleted and expired sources still serve.
+    def _source_handle(
+        self, path: str, key: str, identity: object, fork: ForkOrigin, depth: int
+    ) -> _Stream:
+        """The source of the fork at `path` (in folder `key`, its meta.json `identity`), by
+        incarnation: soft-deleted and expired sources still serve.
 
         A source goes only after its forks. Without it, either the fork was deleted
         since its meta.json was read, freeing the source (which may have been created
@@ -724,24 +868,25 @@ class StreamStore:
         stream = self._streams.get(fork.source)
         if stream is not None and stream.config.incarnation == fork.source_incarnation:
             return self._fresh(stream)
+        source_key, source_identity = self._locate(fork.source)
         try:
-            stream = self._load(fork.source, self.objects.identity(_meta_key(fork.source)))
+            stream = self._load(fork.source, source_key, source_identity, depth + 1)
         except StreamNotFound:
             stream = None
         if stream is not None and stream.config.incarnation == fork.source_incarnation:
             return stream
-        if self.objects.identity(_meta_key(path)) != identity:
+        if self.objects.identity(_meta_key(key)) != identity:
             raise StreamNotFound(f"stream {path} was deleted")
         raise StorageUnavailable(f"fork source {fork.source} is missing from storage")
 
     def _remember(self, path: str, stream: _Stream) -> None:
-        self._streams[path] = stream
-        while len(self._streams) > self.settings.cached_streams:
-            oldest_path, oldest = next(iter(self._streams.items()))
-            if oldest.waiters or oldest.writing:
-                self._streams.move_to_end(oldest_path)
-                break
-            del self._streams[oldest_path]
+        self._streams.put(path, stream)
+        self._streams.shrink(self.settings.cached_streams, self.settings.handle_cache_bytes)
+
+    def _count_handle(self, stream: _Stream) -> None:
+        """Bring the handle cache's size up to date once a commit grew `stream`."""
+        if self._streams.recount(stream) > self.settings.handle_cache_bytes:
+            self._streams.shrink(self.settings.cached_streams, self.settings.handle_cache_bytes)
 
     def _expired(self, stream: _Stream) -> bool:
         config, now = stream.config, time.time()
@@ -764,11 +909,8 @@ class StreamStore:
     def read_segment(
         self, stream: _Stream, start: int, *, whole: bool = False
     ) -> tuple[SegmentIndex, StreamState]:
-        """Header (and state) of the piece at `start`, remembered in the stream's index."""
-        key = stream.piece_key(start)
-        index, state = self._read_piece(key, whole=whole)
-        stream.remember_segment(key, index)
-        return index, state
+        """Header (and state, as `decode_header` gives it) of the piece at `start`."""
+        return self._read_piece(stream.piece_key(start), whole=whole)
 
     def _read_piece(self, key: str, *, whole: bool = False) -> tuple[SegmentIndex, StreamState]:
         """Header (and state) of a segment or pack; `whole` also checks its payload.
@@ -792,7 +934,33 @@ class StreamStore:
         if whole:
             verify_payload(data, index)
             self.cache.put(key, data)
+        self.indexes.put(key, index, index.nbytes)
         return index, state
+
+    def _whole_state(self, stream: _Stream, state: StreamState) -> StreamState:
+        """A state decoded from a header, its producer table made whole.
+
+        A header that names a producer snapshot carries only the entries changed since
+        it, all of them (they accumulate until the next snapshot), so they supersede any
+        this handle knows: on the handle's own snapshot they merge onto its table
+        without a request; on another, that snapshot is read.
+        """
+        snapshot = state.producer_snapshot
+        if snapshot is None:
+            return state
+        if snapshot == stream.state.producer_snapshot:
+            table = stream.state.producers
+        else:
+            table = decode_producer_table(self._read_cached(snapshot))
+        state.producers = {**table, **state.producers}
+        return state
+
+    def _read_cached(self, key: str) -> bytes:
+        data = self.cache.get(key)
+        if data is None:
+            data = self.objects.read(key)
+            self.cache.put(key, data)
+        return data
 
     def _drop_torn(self, key: str, error: CorruptSegment) -> None:
         """A last segment that fails its checks was never acknowledged: remove it."""
@@ -822,7 +990,7 @@ class StreamStore:
         """
         while True:
             key = stream.piece_key(start)
-            index = stream.segments.get(key) or self.read_segment(stream, start)[0]
+            index = self.indexes.get(key) or self.read_segment(stream, start)[0]
             if stream.piece_key(start) == key:
                 return index
 
@@ -841,6 +1009,7 @@ class StreamStore:
                 break
             try:
                 index, state = self.read_segment(stream, position, whole=True)
+                state = self._whole_state(stream, state)
             except FileNotFoundError:
                 break
             except CorruptSegment as error:
@@ -874,6 +1043,7 @@ class StreamStore:
         starts = [tail, *(int(name) for name in names if name.isdigit())]
         try:
             _, state = self.read_segment(stream, starts[-1], whole=True)
+            state = self._whole_state(stream, state)
         except (FileNotFoundError, CorruptSegment):  # removed or torn: the careful way
             self._refresh(stream)
             return
@@ -904,7 +1074,8 @@ class StreamStore:
         )
         if existing is not None:
             return False, self._confirm(existing, config, request)
-        stream = _Stream(config, None, StreamState(tail=fork.point if fork else 0), 0, None)
+        tail = fork.point if fork else 0
+        stream = _Stream(config, stream_key(path), None, StreamState(tail=tail), 0, None)
         if request.payload is not None and request.payload.data or request.closed:
             plan = _Plan(state=stream.state.copy())
             _add_payload(plan, request.payload or Payload(b""))
@@ -915,16 +1086,24 @@ class StreamStore:
         if source is not None:
             self._mark_source(source, stream)  # may raise the fork's earliest offset
         try:
-            self.objects.create(_meta_key(path), stream.config.to_json())
+            self.objects.create(stream.meta_key, stream.config.to_json())
         except FileExistsError:
-            if self._created_by(path, config.incarnation):
+            if self._created_by(stream.key, config.incarnation):
                 return True, self._announced_info(path, stream)  # only the answer was lost
             self._abandon(stream, source)
             winner = self._existing_for_create(path)
-            if winner is None:  # another request deleted it already: create it after all
-                return self.create(path, request)
-            return False, self._confirm(winner, config, request)
+            if winner is not None:
+                return False, self._confirm(winner, config, request)
+            if self._held_by_another_path(stream.key, path):
+                raise StreamConflict(f"the storage name of {path} is another stream's") from None
+            return self.create(path, request)  # another request deleted it already
         return True, self._announced_info(path, stream)
+
+    def _held_by_another_path(self, key: str, path: str) -> bool:
+        """Whether folder `key` holds a meta.json that is not a stream of `path`: an
+        older release's hashed name equal to this short path, or a case-folding disk."""
+        config = self._config_at(key)
+        return config.path != path if config is not None else self.objects.exists(_meta_key(key))
 
     def _mark_source(self, source: _Stream, fork: _Stream) -> None:
         """Tell deletes of `source` that `fork`, being created, is about to read it, or refuse.
@@ -935,9 +1114,9 @@ class StreamStore:
         """
         marked_at = time.monotonic()
         if not (
-            self._create_marker(_fork_marker(source, fork.config))
+            self._create_marker(_fork_marker(source, fork))
             and not self.objects.exists(f"{source.prefix}/deleting")
-            and self._created_by(source.config.path, source.config.incarnation)
+            and self._created_by(source.key, source.config.incarnation)
             and time.monotonic() - marked_at <= FORK_SETUP_SECONDS
         ):
             self._abandon(fork, source)
@@ -968,15 +1147,11 @@ class StreamStore:
         """Remove what a create that did not take place wrote: data, and a fork's marker."""
         self._remove_leftovers(stream)
         if source is not None:
-            self._release_source(source, stream.config)
+            self._release_source(source, stream)
 
-    def _created_by(self, path: str, incarnation: str) -> bool:
-        try:
-            return StreamConfig.from_json(self.objects.read(_meta_key(path))).incarnation == (
-                incarnation
-            )
-        except FileNotFoundError:
-            return False
+    def _created_by(self, key: str, incarnation: str) -> bool:
+        config = self._config_at(key)
+        return config is not None and config.incarnation == incarnation
 
     def _announced_info(self, path: str, created: _Stream) -> StreamInfo:
         """The info of a stream just created, announced to listeners while it exists.
@@ -1035,10 +1210,17 @@ class StreamStore:
             raise StreamNotFound(f"fork source {request.fork_source} not found") from error
         except StreamGone as error:
             raise StreamConflict(f"fork source {request.fork_source} was deleted") from error
+        if source.depth >= MAX_FORK_DEPTH:
+            raise InvalidRequest(f"forks of forks go at most {MAX_FORK_DEPTH} deep")
         self._refresh(source)
         offset = source.state.tail if request.fork_offset is None else request.fork_offset
         if offset > source.state.tail:
             raise InvalidRequest("Stream-Fork-Offset is beyond the source's tail")
+        if offset < source.earliest:
+            raise OffsetTrimmed(source.earliest)
+        if source.is_json and not self._is_boundary(source, offset):
+            # A fork cut inside a message would be invalid JSON for good once appended to.
+            raise InvalidRequest("Stream-Fork-Offset is inside a JSON message")
         point = self._sub_offset_point(source, offset, request.fork_sub_offset)
         if request.content_type and media_type(request.content_type) != media_type(
             source.config.content_type
@@ -1053,8 +1235,6 @@ class StreamStore:
                 expires_at=datetime.fromisoformat(expires) if expires else None,
             )
         inherited = replace(inherited, content_type=source.config.content_type)
-        if offset < source.earliest:
-            raise OffsetTrimmed(source.earliest)
         origin = ForkOrigin(
             source=source.config.path,
             source_incarnation=source.config.incarnation,
@@ -1083,15 +1263,13 @@ class StreamStore:
         if stream.source is not None and offset < stream.base:
             end, messages = self._append_at(stream.source, offset)
             return min(end, stream.base), [m for m in messages if m <= stream.base]
-        position = bisect.bisect_right(stream.starts, offset) - 1
-        if position < 0 or offset >= stream.state.tail:
+        index = self._piece_holding(stream, offset)
+        if index is None or offset >= stream.state.tail:
             raise InvalidRequest("Stream-Fork-Sub-Offset names data past the source's tail")
-        index = self.segment(stream, stream.starts[position])
-        append_starts = (index.start, *index.append_ends[:-1])
-        if offset not in append_starts:
+        start, end = index.append_around(offset)
+        if start != offset:
             raise InvalidRequest("Stream-Fork-Offset is not the start of an append")
-        end = index.append_ends[append_starts.index(offset)]
-        return end, [m for m in index.message_ends if offset < m <= end]
+        return end, index.ends_in(offset, end, messages=True)
 
     # -- append ----------------------------------------------------------------------------
 
@@ -1128,7 +1306,7 @@ class StreamStore:
             gevent.sleep(min(self.settings.linger_fraction * stream.write_seconds, 0.05))
         with self._writer_turn(stream) as waited:
             # Taken once it is our turn: appends that came while we waited join it.
-            batch, stream.pending = stream.pending, []
+            batch, stream.pending = _take_batch(stream.pending)
             try:
                 if waited:  # the process we waited for has most likely written at our tail
                     self._refresh(stream, only_next=True)  # a lost create reads any more
@@ -1197,10 +1375,12 @@ class StreamStore:
 
     def _write_segment(self, stream: _Stream, plan: _Plan) -> None:
         """Create the segment at the tail; `FileExistsError` if another writer won."""
-        start = stream.state.tail
+        start = plan.start
         # 128 random bits, as uuid4 has, without its object: that cost a lone commit
         # about 4 µs of the store's 60 (appends over 1,000 streams, store alone).
         token = os.urandom(16).hex()
+        previous_snapshot = plan.state.producer_snapshot
+        snapshot = self._snapshot_producers_if_due(stream, plan, token)
         payload = b"".join(plan.payload)
         data, index = encode_segment(
             start, payload, plan.append_ends, plan.message_ends, plan.state, token=token
@@ -1211,15 +1391,41 @@ class StreamStore:
             self.objects.create(key, data, verified_on_load=True)
         except FileExistsError:
             if self._read_piece(key, whole=True)[0].token != token:
+                if snapshot is not None:  # written for this attempt alone: nothing names it
+                    self._delete_quietly([snapshot])
                 raise
             # Our own earlier attempt landed; only its answer was lost.
         finally:
             stream.creating = None
+        if snapshot is not None and previous_snapshot is not None:
+            self.delete_later([previous_snapshot])
         self.cache.put(key, data)
-        stream.remember_segment(key, index)  # live readers want it next
+        self.indexes.put(key, index, index.nbytes)  # live readers want it next
         stream.add_start(start)
         if stream.state.tail == start:  # else a refresh read this segment and went further
             stream.state = plan.state
+            self._count_handle(stream)
+
+    def _snapshot_producers_if_due(self, stream: _Stream, plan: _Plan, token: str) -> str | None:
+        """Write the producer table as a snapshot once the changes since the last one
+        grow past PRODUCER_CHANGES_BYTES, so no segment carries more than that (and its
+        own batch's entries) however many producers the stream has had.
+
+        The snapshot is durable before the segment that names it is written. Idle and
+        surplus producers are forgotten here (`_forget_producers`). Returns the new
+        snapshot's key, or None when none was due.
+        """
+        state = plan.state
+        changed = state.producers_changed
+        if PRODUCER_ENTRY_BYTES * len(changed) <= PRODUCER_CHANGES_BYTES:
+            return None  # surely small: not worth measuring
+        if sum(map(len, changed)) + ENCODED_ENTRY_BYTES * len(changed) <= PRODUCER_CHANGES_BYTES:
+            return None
+        _forget_producers(state.producers, time.time())
+        key = f"{stream.prefix}/producers/{segment_name(plan.start)}-{token}"
+        self.objects.create(key, encode_producer_table(state.producers))
+        state.producer_snapshot, state.producers_changed = key, set()
+        return key
 
     def _plan(self, stream: _Stream, batch: list[_Pending]) -> _Plan:
         plan = _Plan(state=stream.state.copy())
@@ -1253,7 +1459,8 @@ class StreamStore:
         if request.payload is not None:
             _add_payload(plan, request.payload)
         if producer is not None:
-            state.producers[producer.id] = (producer.epoch, producer.seq)
+            state.producers[producer.id] = (producer.epoch, producer.seq, int(time.time()))
+            state.producers_changed.add(producer.id)
         if request.close:
             state.closed = True
             state.closer = (producer.id, producer.epoch, producer.seq) if producer else None
@@ -1300,7 +1507,12 @@ class StreamStore:
         incarnation: str | None = None,
         after_wait: bool = False,
     ) -> ReadResult:
-        """Up to `max_bytes` from `offset` (None: the start), ending on a message boundary.
+        """Up to `max_bytes` from `offset` (None: the start), in whole JSON messages (or, in
+        other streams, whole appends), one at least; more only if that one is larger.
+
+        An offset inside a message (or append) reads from its start, and one past the
+        tail reads nothing, up to date: the reference server's answers to offsets it did
+        not give out, which the Yjs provider's server relies on.
 
         `incarnation`: read only from that incarnation of the stream (see `_open`).
         `after_wait`: the read fetches what a `wait` just announced, and takes the
@@ -1320,11 +1532,10 @@ class StreamStore:
                 if _read_start(stream, offset) >= stream.state.tail:
                     raise
                 current = False  # storage is down: serve what we know, claim nothing more
-        start = _read_start(stream, offset)  # again: retention may have trimmed meanwhile
-        tail = stream.state.tail
-        if start > tail:
-            raise InvalidRequest("offset is beyond the end of the stream")
         try:
+            # Again: retention may have trimmed meanwhile.
+            start = self._unit_start(stream, min(_read_start(stream, offset), stream.state.tail))
+            tail = stream.state.tail
             end, slices = self._plan_read(stream, start, min(tail, start + most))
             data = _first_taken_now(self._byte_chunks(slices))
         except FileNotFoundError as error:
@@ -1341,15 +1552,14 @@ class StreamStore:
         Reading the pieces' indexes here is where a stream that another process deleted
         since it was opened shows.
         """
-        if stream.is_json and not self._is_message_boundary(stream, start):
-            raise InvalidRequest("offset is not a message boundary of this JSON stream")
-        end = self._message_end_before(stream, start, limit) if stream.is_json else limit
+        end = self._end_before(stream, start, limit)
         return end, self._slices(stream, start, end)
 
     def wait(
         self, path: str, offset: int, timeout: float, *, incarnation: str | None = None
     ) -> StreamInfo:
-        """Return once the stream has data past `offset`, is closed, or `timeout` passed.
+        """Return once the stream has data past `offset` (or past the tail, if `offset` is
+        beyond it), is closed, or `timeout` passed.
 
         A waiter learns of other processes' appends by looking for the next segment
         (`_poll`), so a handle checked, or a tail confirmed, within `poll_interval` is
@@ -1362,12 +1572,9 @@ class StreamStore:
         """
         poll_interval = self.settings.poll_interval
         stream = self._open(path, touch=True, max_age=poll_interval, incarnation=incarnation)
-        if offset > stream.state.tail:
-            self._refresh(stream)  # must know the true tail to call the offset invalid
-        elif offset == stream.state.tail and not self._tail_confirmed(stream, poll_interval):
+        if offset >= stream.state.tail and not self._tail_confirmed(stream, poll_interval):
             self._refresh_if_reachable(stream)
-        if offset > stream.state.tail:
-            raise InvalidRequest("offset is beyond the end of the stream")
+        offset = min(offset, stream.state.tail)  # past the tail waits at it (see `read`)
         if offset < stream.earliest:
             raise OffsetTrimmed(stream.earliest)
         deadline = time.monotonic() + timeout
@@ -1451,45 +1658,65 @@ class StreamStore:
         start = int(name)
         return start >= stream.state.tail and start != stream.creating
 
-    def _is_message_boundary(self, stream: _Stream, offset: int) -> bool:
+    def _is_boundary(self, stream: _Stream, offset: int) -> bool:
+        """Whether `offset` starts a JSON message (JSON streams) or an append (others)."""
         if offset in (0, stream.state.tail, stream.base):
             return True
         if stream.source is not None and offset < stream.base:
-            return self._is_message_boundary(stream.source, offset)
-        position = bisect.bisect_right(stream.starts, offset) - 1
-        if position < 0:
-            return False
-        index = self.segment(stream, stream.starts[position])
-        return offset == index.start or offset in index.message_ends
+            return self._is_boundary(stream.source, offset)
+        index = self._piece_holding(stream, offset)
+        return index is not None and (offset == index.start or index.is_end(offset, stream.is_json))
 
-    def _message_end_before(self, stream: _Stream, start: int, limit: int) -> int:
-        """The last message end in (start, limit], or the first one after `start`."""
+    def _unit_start(self, stream: _Stream, offset: int) -> int:
+        """Where the JSON message (or, in other streams, the append) holding the byte at
+        `offset` starts: a read from inside one starts there, as the reference server's
+        do, and as the Yjs provider's server expects of the offsets it makes up."""
+        if offset in (0, stream.state.tail, stream.base):
+            return offset
+        if stream.source is not None and offset < stream.base:
+            return self._unit_start(stream.source, offset)
+        index = self._piece_holding(stream, offset)
+        if index is None or not index.start <= offset < index.end:
+            return offset  # the read's slices meet the gap and answer 503
+        return index.start_around(offset, stream.is_json)
+
+    def _piece_holding(self, stream: _Stream, offset: int) -> SegmentIndex | None:
+        position = bisect.bisect_right(stream.starts, offset) - 1
+        return self.segment(stream, stream.starts[position]) if position >= 0 else None
+
+    def _end_before(self, stream: _Stream, start: int, limit: int) -> int:
+        """The last message (or append) end in (start, limit], or the first after `start`:
+        a read ends on a whole message or append, and never returns nothing."""
         if limit <= start:
             return start
         if stream.source is not None and start < stream.base:
             if limit <= stream.base:
-                return min(self._message_end_before(stream.source, start, limit), stream.base)
-            own_end = self._own_message_end(stream, stream.base, limit, backward=True)
+                return min(self._end_before(stream.source, start, limit), stream.base)
+            own_end = self._own_end(stream, stream.base, limit, backward=True)
             return own_end if own_end > stream.base else stream.base
-        found = self._own_message_end(stream, start, limit, backward=True)
+        found = self._own_end(stream, start, limit, backward=True)
         if found > start:
             return found
-        return self._own_message_end(stream, start, stream.state.tail, backward=False)
+        return self._own_end(stream, start, stream.state.tail, backward=False)
 
-    def _own_message_end(self, stream: _Stream, start: int, limit: int, *, backward: bool) -> int:
+    def _own_end(self, stream: _Stream, start: int, limit: int, *, backward: bool) -> int:
         # Walk this list even if compaction puts a shorter one in place while an index is
         # read (S3): the pieces it names stay readable for the delete grace.
-        starts = stream.starts
+        starts, messages = stream.starts, stream.is_json
         first = bisect.bisect_right(starts, start) - 1
         last = bisect.bisect_left(starts, limit) - 1
         order = (
             range(last, max(first, 0) - 1, -1) if backward else range(max(first, 0), len(starts))
         )
         for position in order:
-            ends = self.segment(stream, starts[position]).message_ends
-            candidates = [end for end in ends if start < end <= limit]
-            if candidates:
-                return candidates[-1] if backward else candidates[0]
+            index = self.segment(stream, starts[position])
+            found = (
+                index.last_end(start, limit, messages)
+                if backward
+                else index.first_end(start, messages)
+            )
+            if found is not None and found <= limit:
+                return found
         return start
 
     def _slices(self, stream: _Stream, start: int, end: int) -> list[tuple[str, int, int, int]]:
@@ -1548,7 +1775,7 @@ class StreamStore:
     def paths(self) -> Iterator[str]:
         """Every stream path on storage (deleted ones may linger: `head` what you use)."""
         for key in self.objects.list("streams"):
-            if not key.startswith("~"):
+            if not (is_hashed_key(key) or key.startswith(LEGACY_HASHED_PREFIX)):
                 yield unquote(key)
                 continue
             config = self._config_at(key)
@@ -1558,8 +1785,8 @@ class StreamStore:
     def _config_at(self, key: str) -> StreamConfig | None:
         """The config in `streams/<key>/meta.json`; None if absent or unreadable."""
         try:
-            return StreamConfig.from_json(self.objects.read(f"streams/{key}/meta.json"))
-        except (FileNotFoundError, orjson.JSONDecodeError):
+            return StreamConfig.from_json(self.objects.read(_meta_key(key)))
+        except (FileNotFoundError, orjson.JSONDecodeError, TypeError, KeyError):
             return None
 
     def sweep(self) -> None:
@@ -1579,6 +1806,8 @@ class StreamStore:
                     self._sweep_stream(config.path)
             except (StreamNotFound, StreamGone):
                 pass
+            except StoreError as error:  # one stream that cannot load never stops the sweep
+                log.warning("sweep skipped %s: %s", config.path if config else key, error)
             self._remove_unused_folders(key, config)
             gevent.sleep(0)  # local reads block the loop: requests go first between streams
 
@@ -1710,22 +1939,20 @@ class StreamStore:
     def _erase(self, stream: _Stream) -> None:
         """Delete meta.json (the commit point), then the data; a lost race is a 404."""
         config = stream.config
-        if self._streams.get(config.path) is stream:
-            del self._streams[config.path]
+        self._streams.discard(config.path, stream)
         try:
-            current = StreamConfig.from_json(self.objects.read(_meta_key(config.path)))
-            if current.incarnation != config.incarnation:
+            if not self._created_by(stream.key, config.incarnation):
                 raise FileNotFoundError(config.path)
-            self.objects.delete(_meta_key(config.path))
+            self.objects.delete(stream.meta_key)
         except FileNotFoundError as error:
             _end_waits(stream)  # erased by another request first
             raise StreamNotFound(f"stream {config.path} not found") from error
         _end_waits(stream)
         self._remove_leftovers(stream)
         if stream.source is not None:
-            self._release_source(stream.source, config)
+            self._release_source(stream.source, stream)
 
-    def _release_source(self, source: _Stream, fork: StreamConfig) -> None:
+    def _release_source(self, source: _Stream, fork: _Stream) -> None:
         """Remove a fork's marker; a soft-deleted source goes with its last fork.
 
         The marker goes before the look for `gone` (see `_retire`).
@@ -1749,9 +1976,9 @@ class StreamStore:
             log.warning("leftover data of deleted stream %s: %s", stream.config.path, error)
 
 
-def _fork_marker(source: _Stream, fork: StreamConfig) -> str:
+def _fork_marker(source: _Stream, fork: _Stream) -> str:
     """The key of the object that tells deletes of `source` that `fork` reads it."""
-    return f"{source.prefix}/forks/{stream_key(fork.path)}+{fork.incarnation}"
+    return f"{source.prefix}/forks/{fork.key}+{fork.config.incarnation}"
 
 
 def _highest_offset(names: list[str], *, default: int) -> int:
@@ -1794,16 +2021,28 @@ def _info(stream: _Stream, state: StreamState) -> StreamInfo:
 
 
 def _add_payload(plan: _Plan, payload: Payload) -> None:
-    start = plan.state.tail
+    position = plan.state.tail - plan.start
     plan.payload.append(payload.data)
     # 1,000 per batch, so one C-level pass. A message ends after its comma; a length
     # plus one is mostly a cached small int, so the pass allocates once per message.
     sizes = map(operator.add, payload.message_lengths, itertools.repeat(1))
-    ends = itertools.accumulate(sizes, initial=start)
+    ends = itertools.accumulate(sizes, initial=position)
     next(ends)  # the start itself
     plan.message_ends.extend(ends)
-    plan.state.tail = start + len(payload.data)
-    plan.append_ends.append(plan.state.tail)
+    plan.state.tail += len(payload.data)
+    plan.append_ends.append(plan.state.tail - plan.start)
+
+
+def _forget_producers(producers: dict[str, ProducerEntry], now: float) -> None:
+    """Drop producers idle for PRODUCER_IDLE_SECONDS, then the longest idle beyond
+    MAX_PRODUCERS: a forgotten producer starts again at sequence 0 (or gets a 409)."""
+    idle = [key for key, (_, _, used) in producers.items() if used < now - PRODUCER_IDLE_SECONDS]
+    for key in idle:
+        del producers[key]
+    if len(producers) > MAX_PRODUCERS:
+        by_use = sorted(producers, key=lambda key: producers[key][2])
+        for key in by_use[: len(producers) - MAX_PRODUCERS]:
+            del producers[key]
 
 
 def _check_producer(state: StreamState, producer: Producer) -> Producer | None:
@@ -1813,7 +2052,7 @@ def _check_producer(state: StreamState, producer: Producer) -> Producer | None:
         if producer.seq != 0:
             raise ProducerGap(expected=0, received=producer.seq)
         return None
-    epoch, seq = current
+    epoch, seq, _ = current
     if producer.epoch < epoch:
         raise ProducerFenced(current_epoch=epoch)
     if producer.epoch > epoch:

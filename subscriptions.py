@@ -818,6 +818,9 @@ class SubscriptionObjects:
             markers = (Ack.from_marker(name) for name in self.objects.list(f"{prefix}/acked"))
             acked = max(filter(None, markers), key=lambda ack: ack.position, default=None)
             links[path] = Link(path, "explicit" in names, "glob" in names, acked)
+            if key != stream_key(path):  # an older release's name for a long path: move it
+                self.write_link(record, links[path])
+                self.objects.delete_tree(prefix)
         return links
 
     # -- generations --
@@ -943,11 +946,15 @@ class Subscriptions:
         """After a start: load every subscription and wake those with data still pending."""
         try:
             self.refresh(force=True)
-            for subscription in list(self._subscriptions.values()):
-                with subscription.lock:
-                    self._wake_if_pending(subscription)
         except Exception:
             log.exception("subscriptions could not resume pending wakes")
+            return
+        for subscription in list(self._subscriptions.values()):
+            try:  # one subscription that fails never keeps the others asleep
+                with subscription.lock:
+                    self._wake_if_pending(subscription)
+            except Exception:
+                log.exception("subscription %s could not resume its wake", subscription.id)
 
     def _forget(self, subscription: Subscription) -> None:
         with subscription.lock:
@@ -1113,9 +1120,13 @@ class Subscriptions:
     # -- wakes --
 
     def _head(self, path: str) -> StreamInfo | None:
+        """The linked stream's info; None when it is gone or cannot be served."""
         try:
             return self.store.head(path)
         except (StreamNotFound, StreamGone):
+            return None
+        except StoreError as error:  # e.g. a fork chain too deep to load: as if gone
+            log.warning("subscription link %s is not served: %s", path, error)
             return None
 
     def _states(self, subscription: Subscription) -> list[LinkState]:

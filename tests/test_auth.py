@@ -20,6 +20,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
+from urllib.parse import quote
 
 import jwt
 import pytest
@@ -508,6 +509,26 @@ def test_fork_of_a_stream_without_read_access_leaks_nothing(auth_server: Server)
 
 
 # -- caching ----------------------------------------------------------------------------
+
+
+def test_no_short_path_reaches_a_long_path_s_stream_past_its_scope(auth_server: Server) -> None:
+    """Long paths are kept under a hashed name; no other path's name can equal it."""
+    long_path = f"private/{fresh()}/" + "x" * 300
+    url = create_stream(auth_server, long_path, b"secret")
+    digest = hashlib.sha256(long_path.encode()).hexdigest()
+    one_segment = bearer(mint("read:* append:* create:* delete:*"))
+    for alias in ("~" + digest, "%h" + digest):
+        alias_url = auth_server.stream_url(quote(alias, safe=""))
+        assert requests.get(alias_url, headers=one_segment).status_code == 404
+        assert requests.delete(alias_url, headers=one_segment).status_code == 404
+        assert (
+            requests.post(alias_url, data=b"x", headers={**OCTETS, **one_segment}).status_code
+            == 404
+        )
+        created = requests.put(alias_url, data=b"mine", headers={**OCTETS, **one_segment})
+        assert created.status_code == 201, created.content
+        assert requests.get(alias_url, headers=one_segment).content == b"mine"
+    assert requests.get(url, headers=bearer(mint())).content == b"secret"
 
 
 def test_credentialed_reads_are_never_publicly_cacheable(auth_server: Server) -> None:

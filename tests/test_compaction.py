@@ -44,7 +44,8 @@ def test_small_segments_become_packs_and_originals_go(storage_url: str) -> None:
     assert fresh.head("events").tail == store.head("events").tail
 
 
-def test_reads_from_any_message_offset_after_compaction(storage_url: str) -> None:
+def test_reads_from_any_offset_after_compaction(storage_url: str) -> None:
+    """Packs keep where each append ends: a read from inside one starts at its start."""
     store = StreamStore(ObjectStore(storage_url), SETTINGS)
     store.create("bytes", CreateRequest(content_type="text/plain"))
     for number in range(20):
@@ -52,7 +53,8 @@ def test_reads_from_any_message_offset_after_compaction(storage_url: str) -> Non
     gevent.sleep(1)
     whole = b"".join(b"%02d" % n for n in range(20))
     for offset in range(0, 40, 3):
-        assert b"".join(store.read("bytes", offset, max_bytes=1000).chunks) == whole[offset:]
+        start = offset - offset % 2
+        assert b"".join(store.read("bytes", offset, max_bytes=1000).chunks) == whole[start:]
 
 
 def test_packs_are_bounded_by_bytes_and_large_segments_stay(storage_url: str) -> None:

@@ -105,34 +105,62 @@ def test_json_messages_are_stored_byte_for_byte(server: Server, unique_stream: s
     assert [message for batch in batches for message in batch][-1] == {"line": 1, "text": "a"}
 
 
-def test_json_read_from_inside_a_message_is_400(server: Server, unique_stream: str) -> None:
+def test_a_read_from_inside_a_json_message_starts_at_that_message(
+    server: Server, unique_stream: str
+) -> None:
     url = server.stream_url(unique_stream)
     create(url, JSON)
     boundary = append(url, b'{"first": 1}', JSON)
-    append(url, b'{"second": 2}', JSON)
-    assert requests.get(url, params={"offset": boundary}).json() == [{"second": 2}]
+    append(url, b'[{"second": 2}, {"third": 3}]', JSON)
+    assert requests.get(url, params={"offset": boundary}).json() == [{"second": 2}, {"third": 3}]
 
     inside = format_offset(int(boundary.rsplit("_", 1)[1]) + 3)
-    assert_400_in_every_read_mode(url, inside)
+    assert_read_in_every_mode(url, inside, b'[{"second": 2},{"third": 3}]', boundary)
 
 
-def assert_400_in_every_read_mode(url: str, offset: str) -> None:
-    """Catch-up, long-poll and SSE all refuse the offset before any 200 goes out."""
-    for live in ({}, {"live": "long-poll"}, {"live": "sse"}):
-        params = {"offset": offset, **live}
-        with requests.get(url, params=params, stream=True, timeout=30) as response:
-            status = response.status_code
-            body = response.raw.read(200) if status != 200 else b"(a 200 stream, left unread)"
-        assert status == 400, (live, status, body)
-        assert "error" in json.loads(body)
+def assert_read_in_every_mode(url: str, offset: str, body: bytes, start: str) -> None:
+    """Catch-up, long-poll and SSE all read `body`, which begins at `start` (the first
+    SSE event's control names where the data ends, as a catch-up's next offset does)."""
+    catch_up = requests.get(url, params={"offset": offset}, timeout=30)
+    assert (catch_up.status_code, catch_up.content) == (200, body)
+    long_poll = requests.get(url, params={"offset": offset, "live": "long-poll"}, timeout=30)
+    assert (long_poll.status_code, long_poll.content) == (200, body)
+    assert long_poll.headers["ETag"] == catch_up.headers["ETag"]
+    assert start.rsplit("_", 1)[1].lstrip("0") in catch_up.headers["ETag"]
+    params = {"offset": offset, "live": "sse"}
+    with requests.get(url, params=params, stream=True, timeout=30) as sse:
+        assert sse.status_code == 200
+        first = next(sse.iter_lines())
+    assert first == b"event: data"
 
 
-def test_read_from_beyond_the_tail_is_400(server: Server, unique_stream: str) -> None:
+def test_a_read_from_inside_an_append_starts_at_that_append(
+    server: Server, unique_stream: str
+) -> None:
+    """What the reference server answers, and the Yjs provider's server relies on."""
+    url = server.stream_url(unique_stream)
+    create(url, OCTETS)
+    boundary = append(url, b"abc", OCTETS)
+    append(url, b"defgh", OCTETS)
+    inside = format_offset(int(boundary.rsplit("_", 1)[1]) + 1)
+    assert_read_in_every_mode(url, inside, b"defgh", boundary)
+
+
+def test_a_read_from_beyond_the_tail_is_empty_and_up_to_date(
+    server: Server, unique_stream: str
+) -> None:
     url = server.stream_url(unique_stream)
     create(url, OCTETS)
     tail = append(url, b"abc", OCTETS)
     beyond = format_offset(int(tail.rsplit("_", 1)[1]) + 100)
-    assert_400_in_every_read_mode(url, beyond)
+    response = requests.get(url, params={"offset": beyond})
+    assert (response.status_code, response.content) == (200, b"")
+    assert response.headers["Stream-Next-Offset"] == tail
+    assert response.headers["Stream-Up-To-Date"] == "true"
+    response = requests.get(url, params={"offset": beyond, "live": "long-poll"}, timeout=30)
+    assert (response.status_code, response.headers["Stream-Next-Offset"]) == (204, tail)
+    for malformed in ("12", "0000000000000000_x", "-2", "0000000000000000_0000000000000003,"):
+        assert requests.get(url, params={"offset": malformed}).status_code == 400
 
 
 # -- paged catch-up reads -----------------------------------------------------------------
@@ -373,8 +401,9 @@ def test_reading_a_byte_fork_across_its_boundary(server: Server, unique_stream: 
     append(fork, b"XYZ", OCTETS)
 
     assert requests.get(fork).content == b"abcdefXYZ"
-    middle = format_offset(2)
-    assert requests.get(fork, params={"offset": middle}).content == b"cdefXYZ"
+    assert requests.get(fork, params={"offset": format_offset(3)}).content == b"defXYZ"
+    middle = format_offset(2)  # inside the source's first append: from its start
+    assert requests.get(fork, params={"offset": middle}).content == b"abcdefXYZ"
 
 
 def test_delete_then_recreate_serves_only_the_new_data(server: Server, unique_stream: str) -> None:

@@ -23,6 +23,7 @@ import pytest
 import requests
 
 from settings import Settings, SettingsError
+from storage import MAX_FORK_DEPTH, MAX_PRODUCER_ID_BYTES, MAX_STREAM_SEQ_BYTES
 
 if TYPE_CHECKING:
     from conftest import Server, StartServer
@@ -706,3 +707,66 @@ def test_longest_path_percent_encoded_with_a_token_sized_query_fits_the_request_
         url, params={"offset": "-1", "cursor": cursor, "access_token": "t" * 900}
     )
     assert response.status_code == 200, response.content
+
+
+# -- what one stream's appends may make the server keep (security review) ------------------
+
+
+def test_producer_ids_and_stream_seqs_past_their_limit_are_400(octet_stream: str) -> None:
+    before = tail_of(octet_stream)
+    longest = "p" * MAX_PRODUCER_ID_BYTES
+    headers = {**OCTETS, "Producer-Id": longest + "p", "Producer-Epoch": "0", "Producer-Seq": "0"}
+    assert_json_error(requests.post(octet_stream, data=b"x", headers=headers), 400)
+    too_long_seq = {**OCTETS, "Stream-Seq": "9" * (MAX_STREAM_SEQ_BYTES + 1)}
+    assert_json_error(requests.post(octet_stream, data=b"x", headers=too_long_seq), 400)
+    assert tail_of(octet_stream) == before
+    headers = {**OCTETS, "Producer-Id": longest, "Producer-Epoch": "0", "Producer-Seq": "0"}
+    assert requests.post(octet_stream, data=b"x", headers=headers).status_code == 200
+    seq = {**OCTETS, "Stream-Seq": "9" * MAX_STREAM_SEQ_BYTES}
+    assert requests.post(octet_stream, data=b"x", headers=seq).status_code == 204
+
+
+def test_a_json_append_of_too_many_messages_is_413_before_it_is_parsed(
+    start_server: StartServer,
+) -> None:
+    server = start_server(env={"PICOMQ_MAX_APPEND_MESSAGES": "1000"})
+    url = server.stream_url(f"tiny-{uuid.uuid4().hex[:12]}")
+    assert requests.put(url, headers=JSON).status_code == 201
+    at_limit = b"[" + b",".join([b"0"] * 1000) + b"]"
+    assert requests.post(url, data=at_limit, headers=JSON).status_code == 204
+    over = b"[" + b",".join([b"0"] * 1001) + b"]"
+    assert_json_error(requests.post(url, data=over, headers=JSON), 413)
+    # Commas inside strings and nested values are no items of the array.
+    nested = b"[" + b",".join([b'{"a":[1,2,3],"b":"x,y,z"}'] * 1000) + b"]"
+    assert requests.post(url, data=nested, headers=JSON).status_code == 204
+    fresh = server.stream_url(f"tiny-put-{uuid.uuid4().hex[:12]}")
+    assert_json_error(requests.put(fresh, data=over, headers=JSON), 413)
+    assert len(requests.get(url).json()) == 2000
+
+
+def test_forks_of_forks_past_the_depth_limit_are_400(server: Server, unique_stream: str) -> None:
+    root = server.stream_url(f"{unique_stream}-0")
+    assert requests.put(root, data=b"a", headers=OCTETS).status_code == 201
+    for depth in range(1, MAX_FORK_DEPTH + 2):
+        source = f"/v1/stream/{unique_stream}-{depth - 1}"
+        fork = server.stream_url(f"{unique_stream}-{depth}")
+        response = requests.put(fork, headers={"Stream-Forked-From": source})
+        if depth <= MAX_FORK_DEPTH:
+            assert response.status_code == 201, (depth, response.content)
+    assert_json_error(response, 400)
+    assert requests.get(server.stream_url(f"{unique_stream}-{MAX_FORK_DEPTH}")).content == b"a"
+    assert requests.get(f"{server.url}/v1/streams", params={"prefix": unique_stream}).ok
+
+
+def test_a_json_fork_inside_a_message_is_400(json_stream: str, server: Server) -> None:
+    offset = requests.post(json_stream, data=b'[{"a": 1}]', headers=JSON).headers[
+        "Stream-Next-Offset"
+    ]
+    requests.post(json_stream, data=b'[{"b": 2}]', headers=JSON)
+    inside = offset[:-1] + str(int(offset[-1]) + 2)
+    source = json_stream.split(server.url, 1)[1]
+    for fork_offset, status in ((inside, 400), (offset, 201)):
+        fork = server.stream_url(f"json-fork-{uuid.uuid4().hex[:12]}")
+        headers = {"Stream-Forked-From": source, "Stream-Fork-Offset": fork_offset}
+        response = requests.put(fork, headers=headers)
+        assert response.status_code == status, response.content

@@ -11,8 +11,10 @@ calling greenlet waits, so no monkey-patching is needed.
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
@@ -27,8 +29,16 @@ from gevent.event import Event
 import compaction
 import localdisk
 import storage
-from objectstore import ObjectStore, StorageUnavailable
-from segments import CorruptSegment, StreamState, decode_header, encode_segment
+from objectstore import ObjectCache, ObjectStore, StorageUnavailable
+from segments import (
+    MAGIC,
+    PREFIX,
+    CorruptSegment,
+    StreamState,
+    decode_header,
+    encode_segment,
+    positions,
+)
 from storage import (
     AppendRequest,
     AppendResult,
@@ -66,14 +76,15 @@ MakeStore = Callable[[], StreamStore]
 def make_store(storage_url: str) -> MakeStore:
     """A new store on the test's root, like a node starting with an empty cache."""
 
-    def make() -> StreamStore:
+    def make(**settings: object) -> StreamStore:
+        """`settings` override the test's StoreSettings."""
         # fsspec reuses filesystem objects (and their listing caches) between equal URLs;
         # a node of its own gets a filesystem of its own.
         fsspec.AbstractFileSystem.clear_instance_cache()
         for implementation in fsspec.registry.values():
             implementation.clear_instance_cache()
-        settings = StoreSettings(poll_interval=POLL_INTERVAL)
-        return StreamStore(ObjectStore(storage_url), settings)
+        store_settings = StoreSettings(poll_interval=POLL_INTERVAL, **settings)
+        return StreamStore(ObjectStore(storage_url), store_settings)
 
     return make
 
@@ -121,8 +132,13 @@ def test_bytes_round_trip(make_store: MakeStore) -> None:
     assert read_all(store, "a/b", 6) == b"world!"
     assert read_all(store, "a/b", 12) == b""
     assert store.head("a/b").tail == 12
-    with pytest.raises(InvalidRequest):
-        store.read("a/b", 13)
+    # Offsets no read gave out, as the reference server answers them: from inside an
+    # append, the whole append; past the tail, nothing, up to date at the tail.
+    assert read_all(store, "a/b", 8) == b"world!"
+    beyond = store.read("a/b", 13)
+    assert (beyond.start, beyond.end, b"".join(beyond.chunks), beyond.up_to_date) == (
+        12, 12, b"", True,
+    )  # fmt: skip
 
     assert store.create("a/b", CreateRequest(TEXT)) == (False, store.head("a/b"))
     with pytest.raises(StreamConflict):
@@ -135,15 +151,21 @@ def test_bytes_round_trip(make_store: MakeStore) -> None:
         append_text(store, "a/c", b"x")
 
 
-def test_reads_are_cut_into_bounded_pieces(make_store: MakeStore) -> None:
+def test_reads_are_cut_into_bounded_pieces_of_whole_appends(make_store: MakeStore) -> None:
+    """So no read ends inside an append: an offset there would read from its start."""
     store = make_store()
     store.create("big", CreateRequest(TEXT))
     pieces = [bytes([65 + n]) * 1000 for n in range(10)]
     for piece in pieces:
         append_text(store, "big", piece)
-    result = store.read("big", 500, max_bytes=2500)
-    assert (result.start, result.end) == (500, 3000)
-    assert b"".join(result.chunks) == b"".join(pieces)[500:3000]
+    result = store.read("big", 1000, max_bytes=2500)
+    assert (result.start, result.end) == (1000, 3000)
+    assert b"".join(result.chunks) == b"".join(pieces)[1000:3000]
+    result = store.read("big", 1500, max_bytes=500)  # inside an append; one at least
+    assert (result.start, result.end) == (1000, 2000)
+    append_text(store, "big", b"Z" * 5000)
+    result = store.read("big", 10_000, max_bytes=2500)  # one append larger than the cap
+    assert (result.start, result.end, b"".join(result.chunks)) == (10_000, 15_000, b"Z" * 5000)
 
 
 def recorded_message_ends(storage_url: str, path: str) -> list[int]:
@@ -152,11 +174,12 @@ def recorded_message_ends(storage_url: str, path: str) -> list[int]:
     stream = f"streams/{stream_key(path)}"
     [incarnation] = [name for name in objects.list(stream) if name != "meta.json"]
     segments = f"{stream}/{incarnation}/seg"
-    return [
-        end
-        for name in sorted(objects.list(segments))
-        for end in decode_header(objects.read(f"{segments}/{name}"))[0].message_ends
-    ]
+    indexes = (
+        decode_header(objects.read(f"{segments}/{name}"))[0] for name in objects.list(segments)
+    )
+    return sorted(
+        end for index in indexes for end in index.ends_in(index.start, index.end, messages=True)
+    )
 
 
 def test_json_messages_keep_their_boundaries(make_store: MakeStore, storage_url: str) -> None:
@@ -173,8 +196,7 @@ def test_json_messages_keep_their_boundaries(make_store: MakeStore, storage_url:
     # Offsets are byte positions; each message is stored with its separator.
     assert read_all(store, "events", 2) == b'["two",{"three":[3]},null]'
     assert read_all(store, "events", 8) == b'[{"three":[3]},null]'
-    with pytest.raises(InvalidRequest):
-        store.read("events", 3)  # inside "two"
+    assert read_all(store, "events", 3) == b'["two",{"three":[3]},null]'  # inside "two"
 
     # A bounded read ends on a message boundary, but never returns nothing.
     result = store.read("events", 0, max_bytes=10)
@@ -184,34 +206,54 @@ def test_json_messages_keep_their_boundaries(make_store: MakeStore, storage_url:
 
 
 def test_a_segment_is_indexed_by_its_writer_as_its_readers_would(make_store: MakeStore) -> None:
-    state = StreamState(tail=27, producers={"p": (1, 4)})
-    data, index = encode_segment(20, b"1,2,3,4", [27], [22, 24, 27], state, token="t")
+    state = StreamState(tail=27, producers={"p": (1, 4, 1765000000)}, producers_changed={"p"})
+    data, index = encode_segment(
+        20, b"1,2,3,4", positions([7]), positions([2, 4, 7]), state, token="t"
+    )
     assert (index, state) == decode_header(data)
+    assert index.ends_in(20, 27, messages=True) == [22, 24, 27]
 
 
-def segment_per_message(
-    make_store: MakeStore, monkeypatch: pytest.MonkeyPatch, *, messages: int, indexes_kept: int
-) -> StreamStore:
-    """A JSON stream "events" holding 0, 1, … in one segment each, whose handle keeps only
+def test_a_segment_written_by_an_older_release_reads_as_it_did() -> None:
+    """Absolute ends as JSON numbers, producers without a time of last use."""
+    header = orjson.dumps(
+        {
+            "start": 20, "end": 27, "appends": [27], "messages": [22, 24, 27],
+            "closed": False, "producers": {"p": [1, 4]}, "closer": None,
+            "stream_seq": "7", "payload_crc": zlib.crc32(b"1,2,3,4"),
+            "written_at": 1765000000.5, "token": "t",
+        }
+    )  # fmt: skip
+    data = PREFIX.pack(MAGIC, len(header), zlib.crc32(header)) + header + b"1,2,3,4"
+    index, state = decode_header(data)
+    assert index.ends_in(20, 27, messages=True) == [22, 24, 27]
+    assert (index.append_around(22), index.start_around(23, messages=True)) == ((20, 27), 22)
+    assert (state.producers, state.producer_snapshot, state.stream_seq) == (
+        {"p": (1, 4, 1765000000)}, None, "7",
+    )  # fmt: skip
+
+
+def segment_per_message(make_store: MakeStore, *, messages: int, indexes_kept: int) -> StreamStore:
+    """A JSON stream "events" holding 0, 1, … in one segment each, whose store keeps about
     `indexes_kept` segment indexes: a read must read the others' from storage."""
-    monkeypatch.setattr(storage, "SEGMENT_INDEXES_KEPT", indexes_kept)
-    store = make_store()
+    # Each index is about 250 bytes; the cache holds none larger than an eighth of it.
+    store = make_store(index_cache_bytes=250 * max(indexes_kept, 8))
     store.create("events", CreateRequest(JSON))
     for number in range(messages):
         append_json(store, "events", number)
+    store.indexes = ObjectCache(store.indexes.capacity_bytes)  # as after a busy while
     return store
 
 
 def test_json_boundaries_hold_once_old_segment_indexes_are_forgotten(
-    make_store: MakeStore, monkeypatch: pytest.MonkeyPatch
+    make_store: MakeStore,
 ) -> None:
-    store = segment_per_message(make_store, monkeypatch, messages=12, indexes_kept=4)
-    assert len(store._streams["events"].segments) == 4
-    assert read_all(store, "events") == b"[0,1,2,3,4,5,6,7,8,9,10,11]"
-    assert read_all(store, "events", 2) == b"[1,2,3,4,5,6,7,8,9,10,11]"
-    with pytest.raises(InvalidRequest):
-        store.read("events", 1)  # inside the first segment's message, long forgotten
-    assert len(store._streams["events"].segments) == 4
+    store = segment_per_message(make_store, messages=30, indexes_kept=4)
+    capacity = store.indexes.capacity_bytes
+    assert read_all(store, "events") == b"[" + b",".join(b"%d" % n for n in range(30)) + b"]"
+    assert read_all(store, "events", 2).startswith(b"[1,2,3,")
+    assert read_all(store, "events", 1).startswith(b"[0,1,2,")  # inside the first message
+    assert 0 < store.indexes.size_bytes <= capacity
 
 
 def compact_when_reading(store: StreamStore, path: str, at: int) -> list[int]:
@@ -238,13 +280,13 @@ def compact_when_reading(store: StreamStore, path: str, at: int) -> list[int]:
 
 @pytest.mark.parametrize("packed_at", [0, 2], ids=["the piece read", "a piece read before"])
 def test_a_read_whole_while_compaction_packs_the_segments_it_reads(
-    make_store: MakeStore, monkeypatch: pytest.MonkeyPatch, packed_at: int
+    make_store: MakeStore, packed_at: int
 ) -> None:
     """Packed at the piece being read, its key names the pack once the index read returns;
     packed after a piece was read, the list of pieces the read walks changes under it.
     All but the last piece are packed.
     """
-    store = segment_per_message(make_store, monkeypatch, messages=12, indexes_kept=2)
+    store = segment_per_message(make_store, messages=12, indexes_kept=2)
     packed = compact_when_reading(store, "events", packed_at)
     assert read_all(store, "events") == b"[0,1,2,3,4,5,6,7,8,9,10,11]"
     assert packed and len(store._streams["events"].starts) < packed[0]
@@ -255,7 +297,7 @@ def test_a_read_ends_on_a_message_while_compaction_packs_the_pieces_it_looks_at(
 ) -> None:
     """Looking back for the last whole message within the limit reads indexes too."""
     # Messages 0..9 take 2 bytes each ("0,"), 10..12 take 3.
-    store = segment_per_message(make_store, monkeypatch, messages=13, indexes_kept=2)
+    store = segment_per_message(make_store, messages=13, indexes_kept=2)
     packed = compact_when_reading(store, "events", 20)  # message 10, which the limit cuts
     result = store.read("events", 0, max_bytes=21)
     assert (b"".join(result.chunks), result.end) == (b"[0,1,2,3,4,5,6,7,8,9]", 20)
@@ -313,7 +355,8 @@ def test_forks_read_their_source_up_to_the_fork_point(make_store: MakeStore) -> 
     append_text(store, "fork", b"XYZ")
     append_text(store, "source", b"ghi")
     assert read_all(store, "fork") == b"abcXYZ"
-    assert read_all(store, "fork", 2) == b"cXYZ"
+    assert read_all(store, "fork", 3) == b"XYZ"
+    assert read_all(store, "fork", 2) == b"abcXYZ"  # inside an append: from its start
     assert read_all(store, "source") == b"abcdefghi"
 
     # A sub-offset forks part-way into the append that starts at the fork offset.
@@ -321,10 +364,156 @@ def test_forks_read_their_source_up_to_the_fork_point(make_store: MakeStore) -> 
         "partial", CreateRequest("", fork_source="source", fork_offset=3, fork_sub_offset=2)
     )
     assert read_all(store, "partial") == b"abcde"
+    assert read_all(store, "partial", 4) == b"de"  # the part of "def" the fork holds
     # A fork of a fork reads through both.
     store.create("grandchild", CreateRequest("", fork_source="fork", fork_offset=5))
     append_text(store, "grandchild", b"!")
     assert read_all(store, "grandchild") == b"abcXY!"
+
+
+# -- hostile names, producers and forks (security review) ----------------------------------
+
+LONG_PATH = "private/a/" + "x" * 300  # too long to encode: its key is hashed
+
+
+def test_no_short_path_names_the_storage_of_a_long_one(make_store: MakeStore) -> None:
+    store = make_store()
+    store.create(LONG_PATH, CreateRequest(TEXT, payload=Payload(b"secret")))
+    digest = hashlib.sha256(LONG_PATH.encode()).hexdigest()
+    for alias in ("~" + digest, "%h" + digest, "%25h" + digest):
+        with pytest.raises(StreamNotFound):
+            store.read(alias, None)
+        store.create(alias, CreateRequest(TEXT, payload=Payload(b"mine")))
+        assert read_all(store, alias) == b"mine"
+        store.delete(alias)
+    assert read_all(make_store(), LONG_PATH) == b"secret"
+    assert LONG_PATH in set(make_store().paths())  # deleted ones may linger in a listing
+
+
+def move_to_legacy_key(storage_url: str, path: str) -> str:
+    """Move a long path's folder to the name releases before 2026-12-06 gave it."""
+    objects = ObjectStore(storage_url)
+    legacy = storage.legacy_stream_key(path)
+    assert legacy is not None
+    old, new = objects.path(f"streams/{stream_key(path)}"), objects.path(f"streams/{legacy}")
+    if objects.is_local:
+        os.rename(old, new)
+        return legacy
+    for name in objects.filesystem.find(old):  # read and write: s3fs's copies mangle '%'
+        objects.filesystem.pipe_file(new + name[len(old) :], objects.filesystem.cat_file(name))
+    objects.filesystem.rm(old, recursive=True)
+    return legacy
+
+
+def test_a_long_path_an_older_release_wrote_stays_its_own(
+    make_store: MakeStore, storage_url: str
+) -> None:
+    store = make_store()
+    store.create(LONG_PATH, CreateRequest(TEXT, payload=Payload(b"old ")))
+    legacy = move_to_legacy_key(storage_url, LONG_PATH)
+    store = make_store()
+    assert read_all(store, LONG_PATH) == b"old "
+    append_text(store, LONG_PATH, b"and new")
+    assert read_all(make_store(), LONG_PATH) == b"old and new"
+    assert list(make_store().paths()) == [LONG_PATH]
+    # The short path the old name spells is no way in, and cannot be created over it.
+    with pytest.raises(StreamNotFound):
+        store.read(legacy, None)
+    with pytest.raises(StreamConflict):
+        store.create(legacy, CreateRequest(TEXT))
+    assert store.create(LONG_PATH, CreateRequest(TEXT))[0] is False  # the old one, as is
+    store.delete(LONG_PATH)
+    with pytest.raises(StreamNotFound):
+        make_store().read(LONG_PATH, None)
+
+
+def test_a_small_append_writes_a_bounded_part_of_the_producer_table(
+    make_store: MakeStore, storage_url: str
+) -> None:
+    store = make_store()
+    store.create("crowd", CreateRequest(TEXT))
+    ids = [f"{n:03d}-" + "p" * (storage.MAX_PRODUCER_ID_BYTES - 4) for n in range(300)]
+    for producer_id in ids:
+        append_text(store, "crowd", b"x", producer=Producer(producer_id, 0, 0))
+    tail = store.head("crowd").tail
+    append_text(store, "crowd", b"y", producer=Producer(ids[0], 0, 1))
+    objects, handle = ObjectStore(storage_url), store._streams["crowd"]
+    sizes = [len(objects.read(handle.segment_key(start))) for start in range(tail + 1)]
+    # The table is 90 KB; every segment carries at most the changes since a snapshot.
+    assert max(sizes) < storage.PRODUCER_CHANGES_BYTES + 2 * storage.PRODUCER_ENTRY_BYTES + 1024
+
+    restarted = make_store()  # state from the last segment and the snapshot it names
+    assert append_text(restarted, "crowd", b"z", producer=Producer(ids[7], 0, 0)).duplicate
+    assert not append_text(restarted, "crowd", b"z", producer=Producer(ids[7], 0, 1)).duplicate
+    with pytest.raises(ProducerGap):
+        append_text(restarted, "crowd", b"z", producer=Producer(ids[0], 0, 3))
+    assert read_all(restarted, "crowd") == b"x" * 300 + b"yz"
+
+
+def test_idle_and_surplus_producers_are_forgotten_oldest_first() -> None:
+    now = 2_000_000_000.0
+    idle = now - storage.PRODUCER_IDLE_SECONDS - 1
+    producers = {"idle": (0, 5, int(idle))}
+    producers.update({f"p{n}": (0, n, int(now) - n) for n in range(storage.MAX_PRODUCERS + 2)})
+    storage._forget_producers(producers, now)
+    assert len(producers) == storage.MAX_PRODUCERS
+    assert "idle" not in producers and "p0" in producers
+    assert f"p{storage.MAX_PRODUCERS}" not in producers  # the two used longest ago
+
+
+def test_forks_of_forks_go_only_so_deep(make_store: MakeStore) -> None:
+    store = make_store()
+    store.create("f0", CreateRequest(TEXT, payload=Payload(b"a")))
+    for depth in range(1, storage.MAX_FORK_DEPTH + 1):
+        store.create(f"f{depth}", CreateRequest("", fork_source=f"f{depth - 1}"))
+    with pytest.raises(InvalidRequest):
+        store.create("too-deep", CreateRequest("", fork_source=f"f{storage.MAX_FORK_DEPTH}"))
+    assert read_all(make_store(), f"f{storage.MAX_FORK_DEPTH}") == b"a"
+
+
+def test_a_chain_too_deep_to_load_fails_alone(
+    make_store: MakeStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chains an older release let grow deeper than the limit: that stream alone fails."""
+    store = make_store()
+    store.create("g0", CreateRequest(TEXT, payload=Payload(b"a")))
+    for depth in range(1, 6):
+        store.create(f"g{depth}", CreateRequest("", fork_source=f"g{depth - 1}"))
+    monkeypatch.setattr(storage, "MAX_FORK_DEPTH", 3)
+    fresh = make_store()
+    with pytest.raises(StreamConflict):
+        fresh.read("g5", None)
+    assert read_all(fresh, "g3") == b"a"
+    assert sorted(fresh.paths()) == [f"g{depth}" for depth in range(6)]
+    fresh.sweep()  # goes past the one it cannot load
+
+
+def test_a_json_fork_is_never_cut_inside_a_message(make_store: MakeStore) -> None:
+    store = make_store()
+    store.create("doc", CreateRequest(JSON))
+    append_json(store, "doc", {"a": 1}, {"b": 2})
+    with pytest.raises(InvalidRequest):
+        store.create("cut", CreateRequest("", fork_source="doc", fork_offset=3))
+    store.create("whole", CreateRequest("", fork_source="doc", fork_offset=8))
+    append_json(store, "whole", 3)
+    assert orjson.loads(read_all(store, "whole")) == [{"a": 1}, 3]
+
+
+def test_a_batch_of_many_large_appends_commits_in_bounded_segments(
+    make_store: MakeStore, monkeypatch: pytest.MonkeyPatch, storage_url: str
+) -> None:
+    monkeypatch.setattr(storage, "MAX_BATCH_BYTES", 1000)
+    store = make_store()
+    store.create("big", CreateRequest(TEXT))
+    pieces = [bytes([65 + n]) * 400 for n in range(10)]
+    gevent.joinall(
+        [gevent.spawn(append_text, store, "big", piece) for piece in pieces], raise_error=True
+    )
+    assert sorted(read_all(store, "big")[i : i + 400] for i in range(0, 4000, 400)) == pieces
+    objects = ObjectStore(storage_url)
+    handle = store._streams["big"]
+    sizes = [decode_header(objects.read(handle.piece_key(start)))[0] for start in handle.starts]
+    assert all(index.end - index.start <= 1000 for index in sizes), sizes
 
 
 def test_close_is_final_and_idempotent(make_store: MakeStore) -> None:
@@ -1125,7 +1314,8 @@ def test_a_live_read_never_goes_on_in_the_stream_created_after_its_own_was_delet
         reader_store.wait("live", 3, WAIT_TIMEOUT_SECONDS, incarnation=followed)
     with pytest.raises(StreamNotFound):
         reader_store.read("live", 3, incarnation=followed)
-    assert read_all(reader_store, "live", 3) == b" new stream"  # an offset alone: its bytes
+    # An offset alone reads the stream there now (from inside its append: the append).
+    assert read_all(reader_store, "live", 3) == b"the new stream"
 
 
 @NEEDS_INOTIFY
