@@ -234,6 +234,13 @@ SETTINGS: tuple[Setting, ...] = (
         " http or https; empty: only public addresses, by https (see README).",
     ),
     Setting(
+        "webhook_timeout",
+        "30",
+        _positive_float,
+        "Seconds one webhook delivery attempt may take in all, from resolving the host to"
+        " the end of the reply; then it counts as failed and is retried.",
+    ),
+    Setting(
         "cache_bytes",
         str(64 * 1024 * 1024),
         _positive_int,
@@ -311,6 +318,7 @@ class Settings:
     jwt_public_key: str | None
     jwt_audience: str | None
     webhook_allowed_networks: tuple[Network, ...]
+    webhook_timeout: float
     cache_bytes: int
     index_cache_bytes: int
     retention_age: int | None

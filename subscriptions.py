@@ -168,6 +168,10 @@ class WebhookUrlRejected(SubscriptionError):
     code = "WEBHOOK_URL_REJECTED"
 
 
+class WebhookTimedOut(Exception):
+    """A delivery attempt outlived the `webhook_timeout` setting."""
+
+
 class SubscriptionNotFound(SubscriptionError):
     status, code = 404, "SUBSCRIPTION_NOT_FOUND"
 
@@ -866,9 +870,12 @@ class Subscriptions:
     across a webhook POST (deliveries run in their own greenlet).
     """
 
-    def __init__(self, store: StreamStore, webhook_networks: tuple[Network, ...]) -> None:
+    def __init__(
+        self, store: StreamStore, webhook_networks: tuple[Network, ...], webhook_timeout: float
+    ) -> None:
         self.store = store
         self.webhook_networks = webhook_networks  # reachable besides public addresses
+        self.webhook_timeout = webhook_timeout  # seconds for one delivery attempt, in all
         self.files = SubscriptionObjects(store.objects)
         self._subscriptions: dict[str, Subscription] = {}
         self._registry_lock = RLock()
@@ -1228,14 +1235,20 @@ class Subscriptions:
     def _post(self, subscription: Subscription, body: bytes) -> dict | None:
         """The receiver's JSON reply to one POST (an empty dict if not JSON); None on failure.
 
-        The URL is checked again, and its host resolved again, before every attempt.
+        The URL is checked again, and its host resolved again, before every attempt. The
+        whole attempt ends within `webhook_timeout`: the socket timeouts bound each read,
+        and a receiver that trickles its reply would otherwise hold the wake.
         """
         headers = {"Content-Type": "application/json",
                    SIGNATURE_HEADER: self.signer.sign(body, int(time.time()))}  # fmt: skip
         try:
-            target = check_webhook_url(subscription.spec.webhook_url or "", self.webhook_networks)
-            status, reply = post_webhook(target, body, headers)
-        except (WebhookUrlRejected, urllib3.exceptions.HTTPError, OSError) as error:
+            with gevent.Timeout(self.webhook_timeout, WebhookTimedOut):
+                url = subscription.spec.webhook_url or ""
+                target = check_webhook_url(url, self.webhook_networks)
+                status, reply = post_webhook(target, body, headers)
+        except (
+            WebhookUrlRejected, WebhookTimedOut, urllib3.exceptions.HTTPError, OSError
+        ) as error:  # fmt: skip
             log.info("subscription %s: webhook failed: %s", subscription.id, error)
             return None
         if not 200 <= status < 300:
@@ -1514,7 +1527,9 @@ def register_subscriptions(app: Flask, store: StreamStore, settings: Settings) -
     tries them first; each takes every method and answers 405 itself, so no `__ds`
     request falls through to stream handling.
     """
-    subscriptions = Subscriptions(store, settings.webhook_allowed_networks)
+    subscriptions = Subscriptions(
+        store, settings.webhook_allowed_networks, settings.webhook_timeout
+    )
     views = SubscriptionViews(subscriptions)
     routes = [
         ("/jwks.json", views.jwks, ("GET", "HEAD")),

@@ -12,6 +12,7 @@ import base64
 import json
 import queue
 import re
+import socket
 import threading
 import time
 import uuid
@@ -497,6 +498,59 @@ def test_redirects_are_not_followed(server: Server, make_receiver) -> None:
     first, retry = redirecting.next(), redirecting.next()  # a 3xx is a failed attempt
     assert retry.body["wake_id"] == first.body["wake_id"]
     assert elsewhere.deliveries.empty()
+
+
+class TricklingReceiver:
+    """Takes each POST, then answers one byte a second of a reply it says is 100 long."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}/webhook"
+        self.attempts = 0
+        self.stopped = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while not self.stopped.is_set():
+            try:
+                connection, _ = self.listener.accept()
+            except OSError:
+                return
+            self.attempts += 1
+            threading.Thread(target=self._trickle, args=(connection,), daemon=True).start()
+
+    def _trickle(self, connection: socket.socket) -> None:
+        with connection:
+            connection.recv(65536)
+            connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n")
+            for _ in range(100):
+                if self.stopped.wait(1.0):
+                    return
+                try:
+                    connection.sendall(b" ")
+                except OSError:
+                    return
+
+    def close(self) -> None:
+        self.stopped.set()
+        self.listener.close()
+
+
+def test_a_receiver_that_trickles_its_reply_fails_the_attempt_by_the_deadline(
+    start_server: StartServer,
+) -> None:
+    """Each read has a timeout; the attempt as a whole ends by PICOMQ_WEBHOOK_TIMEOUT."""
+    server = start_server(env={**ALLOW_LOOPBACK, "PICOMQ_WEBHOOK_TIMEOUT": "1"})
+    receiver = TricklingReceiver()
+    try:
+        prefix = unique("events")
+        created = put_subscription(server, unique("sub"), type="webhook", pattern=f"{prefix}/*",
+                                   webhook={"url": receiver.url})  # fmt: skip
+        assert created.status_code == 201
+        create_stream(server, f"{prefix}/a", {"n": 1})
+        wait_until(lambda: receiver.attempts >= 2, "a second attempt after the first timed out")
+    finally:
+        receiver.close()
 
 
 def test_a_post_goes_to_the_checked_address_under_the_urls_host(make_receiver) -> None:
