@@ -1690,7 +1690,7 @@ class StreamStore:
         if limit <= start:
             return start
         if stream.source is not None and start < stream.base:
-            if limit <= stream.base:
+            if limit < stream.base:  # the fork point is an end: its source's data ends there
                 return min(self._end_before(stream.source, start, limit), stream.base)
             own_end = self._own_end(stream, stream.base, limit, backward=True)
             return own_end if own_end > stream.base else stream.base

@@ -364,6 +364,8 @@ def test_forks_read_their_source_up_to_the_fork_point(make_store: MakeStore) -> 
         "partial", CreateRequest("", fork_source="source", fork_offset=3, fork_sub_offset=2)
     )
     assert read_all(store, "partial") == b"abcde"
+    whole = store.read("partial", None)  # the part of an append it holds ends a read
+    assert (b"".join(whole.chunks), whole.end, whole.up_to_date) == (b"abcde", 5, True)
     assert read_all(store, "partial", 4) == b"de"  # the part of "def" the fork holds
     # A fork of a fork reads through both.
     store.create("grandchild", CreateRequest("", fork_source="fork", fork_offset=5))
