@@ -23,7 +23,7 @@ import pytest
 import requests
 from conftest import follow_stream
 
-from segments import StreamState, encode_segment
+from segments import StreamState, encode_segment, positions
 
 if TYPE_CHECKING:
     from conftest import Server, StartServer
@@ -473,7 +473,7 @@ def torn_segment(position: int, how: str) -> bytes | None:
     """What a crash in the middle of writing the next segment could leave at `position`."""
     payload = b"never acknowledged\n"
     state = StreamState(tail=position + len(payload))
-    whole, _ = encode_segment(position, payload, [state.tail], [], state)
+    whole, _ = encode_segment(position, payload, positions([len(payload)]), positions(), state)
     header_end = len(whole) - len(payload)
     return {
         "stray-temp-file-only": None,
