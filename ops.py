@@ -28,7 +28,7 @@ from metrics import (
     metrics_view,
     release_live_connection,
 )
-from picomq import BadRequest, error_response, format_offset, parse_decimal
+from picomq import BadRequest, error_response, format_offset, parse_number
 from settings import Settings
 from storage import StorageUnavailable, StreamGone, StreamInfo, StreamNotFound, StreamStore
 
@@ -158,7 +158,7 @@ def parse_listing() -> tuple[str, str | None, int]:
     limit_text = request.args.get("limit")
     limit = DEFAULT_PAGE_SIZE
     if limit_text is not None:
-        limit = parse_decimal("limit", limit_text, MAX_PAGE_SIZE)
+        limit = parse_number("limit", limit_text, MAX_PAGE_SIZE)
         if limit == 0:
             raise BadRequest(f"limit must be between 1 and {MAX_PAGE_SIZE}")
     return prefix, request.args.get("after"), limit

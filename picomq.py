@@ -25,6 +25,7 @@ from flask import Flask, request
 from flask import Response as FlaskResponse
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
+from decimals import MAX_SAFE_INTEGER, parse_decimal
 from fanout import DIRECT_WRITER_ENVIRON_KEY, DirectWriter, Fanout, Follower
 from limits import LiveConnections, json_nests_deeper_than
 from logs import REQUEST_ID_HEADER
@@ -61,7 +62,6 @@ STREAM_PREFIX = "/v1/stream/"
 RESERVED_PREFIX = "__ds"
 MAX_PATH_BYTES = 1024
 MAX_PATH_DEPTH = 32
-MAX_SAFE_INTEGER = 2**53 - 1
 DEFAULT_CONTENT_TYPE = "application/octet-stream"
 CURSOR_EPOCH = datetime.fromisoformat("2024-10-09T00:00:00+00:00").timestamp()
 CURSOR_INTERVAL_SECONDS = 20
@@ -111,8 +111,7 @@ FAST_APPEND_FAILURE = "picomq.fast_append_failure"
 CACHEABLE = "public, max-age=60, stale-while-revalidate=300"
 NO_STORE = "no-store"
 
-OFFSET_PATTERN = re.compile(r"0{16}_(\d{16})")
-DECIMAL_PATTERN = re.compile(r"0|[1-9][0-9]*")
+OFFSET_PATTERN = re.compile(r"0{16}_([0-9]{16})")
 CONTENT_TYPE_PATTERN = re.compile(r"[\w.+-]+/[\w.+-]+\s*(;.*)?", re.ASCII)
 STARTS_AS_ARRAY = re.compile(rb"[ \t\r\n]*\[")
 JSON_ITEMS = msgspec.json.Decoder(list[msgspec.Raw])
@@ -216,15 +215,17 @@ def parse_stream_path(path: str) -> str:
     return path
 
 
-def parse_decimal(name: str, text: str, maximum: int = MAX_SAFE_INTEGER) -> int:
-    if DECIMAL_PATTERN.fullmatch(text) is None or int(text) > maximum:
-        raise BadRequest(f"{name} must be a non-negative decimal integer without leading zeros")
-    return int(text)
+def parse_number(name: str, text: str, maximum: int = MAX_SAFE_INTEGER) -> int:
+    """The numeric header or query parameter `name` (decimals.py says what passes)."""
+    try:
+        return parse_decimal(text, maximum)
+    except ValueError as error:
+        raise BadRequest(f"{name} {error}") from None
 
 
-def parse_optional_decimal(name: str) -> int | None:
+def parse_optional_number(name: str) -> int | None:
     text = request.headers.get(name)
-    return None if text is None else parse_decimal(name, text.strip())
+    return None if text is None else parse_number(name, text.strip())
 
 
 def parse_flag(name: str) -> bool:
@@ -341,7 +342,7 @@ def parse_producer(producer_id: str | None, epoch: str | None, seq: str | None) 
     if not producer_id.strip():
         raise BadRequest("Producer-Id must not be empty")
     return Producer(
-        producer_id, parse_decimal(PRODUCER_EPOCH, epoch), parse_decimal(PRODUCER_SEQ, seq)
+        producer_id, parse_number(PRODUCER_EPOCH, epoch), parse_number(PRODUCER_SEQ, seq)
     )
 
 
@@ -359,11 +360,15 @@ def parse_read_offset() -> str | None:
 
 
 def next_cursor(client_cursor: str | None) -> str:
-    """The protocol's cache-collapsing cursor: an interval number that never repeats back."""
+    """The protocol's cache-collapsing cursor: an interval number that never repeats back.
+
+    BadRequest for a client's cursor that is not a number: ours always are.
+    """
     interval = current_interval()
-    if client_cursor is not None and client_cursor.isdigit() and int(client_cursor) >= interval:
+    given = None if client_cursor is None else parse_number("cursor", client_cursor)
+    if given is not None and given >= interval:
         jitter_seconds = random.randint(1, 3600)
-        interval = int(client_cursor) + max(1, jitter_seconds // CURSOR_INTERVAL_SECONDS)
+        interval = given + max(1, jitter_seconds // CURSOR_INTERVAL_SECONDS)
     return str(interval)
 
 
@@ -593,17 +598,17 @@ class StreamViews:
             payload = self.parse_payload(content_type, body, allow_empty=True)
         return CreateRequest(
             content_type=content_type or "",
-            ttl=parse_decimal(TTL, ttl_text.strip()) if ttl_text is not None else None,
+            ttl=parse_number(TTL, ttl_text.strip()) if ttl_text is not None else None,
             expires_at=parse_expires_at(expires_text) if expires_text is not None else None,
             closed=parse_flag(CLOSED),
             payload=payload,
             fork_source=parse_fork_source(fork_source) if fork_source is not None else None,
             fork_offset=parse_offset(fork_offset.strip()) if fork_offset is not None else None,
             fork_sub_offset=(
-                parse_decimal(FORK_SUB_OFFSET, sub_offset.strip()) if sub_offset is not None else 0
+                parse_number(FORK_SUB_OFFSET, sub_offset.strip()) if sub_offset is not None else 0
             ),
-            retention_age=parse_optional_decimal(RETENTION_AGE),
-            retention_bytes=parse_optional_decimal(RETENTION_BYTES),
+            retention_age=parse_optional_number(RETENTION_AGE),
+            retention_bytes=parse_optional_number(RETENTION_BYTES),
         )
 
     def parse_payload(self, content_type: str, body: bytes, *, allow_empty: bool) -> Payload:
@@ -752,6 +757,7 @@ class StreamViews:
         if not is_json_type(info.content_type) and not info.content_type.startswith("text/"):
             headers[SSE_DATA_ENCODING] = "base64"
         cursor = request.args.get("cursor")
+        next_cursor(cursor)  # only to refuse a malformed one (400) before the 200
         writer = request.environ.get(DIRECT_WRITER_ENVIRON_KEY)
         base64_data = SSE_DATA_ENCODING in headers
         events = self.sse_events(path, info.incarnation, offset, cursor, base64_data, writer)
