@@ -843,9 +843,15 @@ def parse_fork_source(text: str) -> str:
 
 
 def format_data_event(data: bytes, base64_data: bool) -> bytes:
+    """One `data:` field per line of the data (CR, LF and CRLF all end a line in SSE).
+
+    SSE parsers drop one space after `data:`, so a line that starts with a space gets
+    one more; other lines get none, as the conformance suite expects (`data:line1`).
+    """
     text = base64.b64encode(data) if base64_data else data
     lines = text.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
-    return b"event: data\n" + b"".join(b"data:" + line + b"\n" for line in lines) + b"\n"
+    fields = (b"data: " + line if line[:1] == b" " else b"data:" + line for line in lines)
+    return b"event: data\n" + b"\n".join(fields) + b"\n\n"
 
 
 def format_control_event(info: StreamInfo, offset: int, cursor: str) -> bytes:
