@@ -108,6 +108,10 @@ COMMON_HEADERS = (*SECURITY_HEADERS.items(), *CORS_HEADERS.items())  # on every 
 PRODUCER_HEADERS = (PRODUCER_ID, PRODUCER_EPOCH, PRODUCER_SEQ)  # parse_producer's arguments
 # fastpath.py hands a plain append whose store call failed to the view under this key.
 FAST_APPEND_FAILURE = "picomq.fast_append_failure"
+# A stream's bytes are whatever its writers sent (text/html, SVG, ...), served from this
+# origin, where read links may carry a token: a browser that opens one as a page runs
+# none of it, gives it an origin of its own, and loads nothing for it.
+STREAM_BODY_POLICY = "default-src 'none'; sandbox"
 CACHEABLE = "public, max-age=60, stale-while-revalidate=300"
 NO_STORE = "no-store"
 
@@ -388,9 +392,14 @@ def etag_of(result: ReadResult) -> str:
 
 
 def stream_headers(info: StreamInfo, tail: int | None = None) -> dict[str, str]:
-    """Content-Type and Stream-Next-Offset, plus Stream-Closed once the reader is at the end."""
+    """Content-Type, with the policy that keeps a browser from running the body, and
+    Stream-Next-Offset, plus Stream-Closed once the reader is at the end."""
     position = info.tail if tail is None else tail
-    headers = {"Content-Type": info.content_type, NEXT_OFFSET: format_offset(position)}
+    headers = {
+        "Content-Type": info.content_type,
+        "Content-Security-Policy": STREAM_BODY_POLICY,
+        NEXT_OFFSET: format_offset(position),
+    }
     if info.closed and position == info.tail:
         headers[CLOSED] = "true"
     return headers
