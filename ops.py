@@ -21,7 +21,7 @@ import orjson
 from flask import Flask, Response, current_app, request
 
 from auth import allow_anonymous
-from logs import echo_and_log, start_request, use_json_logs
+from logs import echo_and_log, start_request, use_json_logs, use_text_logs
 from metrics import (
     count_request_start,
     count_response,
@@ -53,6 +53,8 @@ def register_operations(app: Flask, store: StreamStore, settings: Settings) -> N
     """Add the routes above, request metrics, request ids and (if set) JSON logs."""
     if settings.log_format == "json":
         use_json_logs()
+    else:
+        use_text_logs()
     install_request_hooks(app, store)
     allow_anonymous(app, "static")  # the inspector's script and style hold no data
     app.add_url_rule("/healthz", "healthz", healthz, methods=["GET", "HEAD"])
