@@ -269,13 +269,18 @@ def use_json_logs() -> None:
     for name in ("", "gunicorn.error"):
         for handler in logging.getLogger(name).handlers:
             handler.setFormatter(JsonFormatter())
+    escape_plain_lines("gunicorn.access")  # gunicorn's own access log, if turned on
     access_log.write_directly_if_possible()
 
 
 def use_text_logs() -> None:
-    """Every handler of the root and gunicorn loggers keeps its format, with what a
-    request put in a line escaped (TextFormatter)."""
-    for name in ("", "gunicorn.error", "gunicorn.access"):
+    escape_plain_lines("", "gunicorn.error", "gunicorn.access")
+
+
+def escape_plain_lines(*logger_names: str) -> None:
+    """Every handler of these loggers keeps its format, with what a request put in a
+    line escaped (TextFormatter)."""
+    for name in logger_names:
         for handler in logging.getLogger(name).handlers:
             if not isinstance(handler.formatter, TextFormatter):
                 handler.setFormatter(TextFormatter(handler.formatter))

@@ -10,6 +10,7 @@ import select
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -182,3 +183,19 @@ def test_text_logs_keep_what_a_request_sent_inside_one_line(start_server: StartS
         assert not line.startswith(FORGED[:4]), line
         assert not re.search("[\x00-\x1f\x7f-\x9f\u2028\u2029]", line), line
     assert any("method=GET path=" in line for line in with_forgery), with_forgery
+
+
+def test_gunicorns_own_access_log_keeps_a_decoded_path_inside_one_line(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    """An operator may turn gunicorn's access log on; its %(U)s is the decoded path."""
+    access_log = tmp_path / "gunicorn-access.log"
+    arguments = f"--access-logfile {access_log} --access-logformat '%(m)s %(U)s %(s)s'"
+    server = start_server(env={"GUNICORN_CMD_ARGS": arguments})
+    forged = f"%0A{requests.utils.quote(FORGED)}"
+    assert requests.get(f"{server.url}/v1/stream/a{forged}").status_code == 404
+    deadline = time.monotonic() + 10
+    while "forged" not in access_log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with_forgery = [line for line in access_log.read_text().splitlines() if "forged" in line]
+    assert with_forgery == [f"GET /v1/stream/a\\n{FORGED} 404"], with_forgery
