@@ -455,7 +455,7 @@ def create_store(settings: Settings) -> StreamStore:
         retention_age=settings.retention_age,
         retention_bytes=settings.retention_bytes,
     )
-    writer_locks = StreamLocks.for_root(objects.root) if settings.workers > 1 else None
+    writer_locks = StreamLocks.for_storage(objects.root, local) if settings.workers > 1 else None
     return StreamStore(objects, store_settings, writer_locks)
 
 
