@@ -429,19 +429,24 @@ NUMBER_PLACES = (
 )
 
 
-def carrying_number(place: str, value: str, new_path: str) -> tuple[str, str, dict[str, str]]:
-    """Method, target and headers of a request that carries `value` at `place`."""
+def carrying_number(place: str, value: str, prefix: str) -> tuple[str, str, dict[str, str]]:
+    """Method, target and headers of a request that carries `value` at `place`, on the
+    streams under `prefix`: `closed` (live reads end at once) and `bytes`."""
     query = quote(value, safe="")
-    live = "/v1/stream/fuzz-closed?offset=-1&live="  # closed: a live read ends at once
+    live = f"/v1/stream/{prefix}/closed?offset=-1&live="
     producer = {"Producer-Id": "numbers", "Producer-Epoch": "0", "Producer-Seq": "0"}
     if place.startswith("Producer-"):
-        return "POST", "/v1/stream/fuzz-bytes", {**OCTETS, **producer, place: value}
+        return "POST", f"/v1/stream/{prefix}/bytes", {**OCTETS, **producer, place: value}
     if place == "Content-Length":
-        return "POST", "/v1/stream/fuzz-bytes", {**OCTETS, place: value}
+        return "POST", f"/v1/stream/{prefix}/bytes", {**OCTETS, place: value}
     if place == "Stream-Fork-Sub-Offset":
-        return "PUT", new_path, {"Stream-Forked-From": "fuzz-bytes", place: value}
+        return (
+            "PUT",
+            f"/v1/stream/{prefix}/new",
+            {"Stream-Forked-From": f"{prefix}/bytes", place: value},
+        )
     if place.startswith("Stream-"):
-        return "PUT", new_path, {**OCTETS, place: value}
+        return "PUT", f"/v1/stream/{prefix}/new", {**OCTETS, place: value}
     if place == "limit":
         return "GET", f"/v1/streams?limit={query}", {}
     return "GET", f"{live}{'sse' if 'SSE' in place else 'long-poll'}&cursor={query}", {}
@@ -454,11 +459,14 @@ def test_every_number_a_request_carries_is_ascii_digits_or_refused(
     statuses: Counter[int] = Counter()
     prefix = f"numbers-{uuid.uuid4().hex[:12]}"
     outside_untouched.add(prefix)
+    for name, headers in (("closed", {**OCTETS, "Stream-Closed": "true"}), ("bytes", OCTETS)):
+        response = requests.put(fuzz_server.stream_url(f"{prefix}/{name}"), headers=headers)
+        assert response.status_code == 201, response.content
 
     @HYPOTHESIS
     @given(place=st.sampled_from(NUMBER_PLACES), value=NOT_NUMBERS)
     def check(place: str, value: str) -> None:
-        method, target, headers = carrying_number(place, value, f"/v1/stream/{prefix}")
+        method, target, headers = carrying_number(place, value, prefix)
         response = send_raw(fuzz_server, method, target.encode(), headers)
         statuses[response.status] += 1
         problem = json_error_problem(response, method)
