@@ -27,6 +27,7 @@ import click
 import msgspec
 import requests
 
+from decimals import parse_decimal
 from settings import Settings, SettingsError
 
 REPO_DIR = Path(__file__).resolve().parent
@@ -158,6 +159,24 @@ def client_command(function: Any) -> Any:
     return with_client
 
 
+class WholeNumber(click.ParamType):
+    """A number option, read as the server reads numbers (decimals.py), at least `minimum`."""
+
+    name = "integer"
+
+    def __init__(self, minimum: int) -> None:
+        self.minimum = minimum
+
+    def convert(self, value: object, parameter: Any, context: Any) -> int:
+        try:
+            number = parse_decimal(str(value))
+        except ValueError as error:
+            self.fail(str(error), parameter, context)
+        if number < self.minimum:
+            self.fail(f"must be at least {self.minimum}", parameter, context)
+        return number
+
+
 def offset_number(offset: str) -> int:
     return int(offset.rsplit("_", 1)[-1])
 
@@ -193,7 +212,7 @@ def main() -> None:
 @main.command()
 @click.option("--bind", help="Address to listen on (PICOMQ_BIND; default 127.0.0.1:4437).")
 @click.option("--storage-url", help="Directory or fsspec URL (PICOMQ_STORAGE_URL; ./data).")
-@click.option("--workers", type=click.IntRange(min=1), help="gunicorn workers (PICOMQ_WORKERS).")
+@click.option("--workers", type=WholeNumber(minimum=1), help="gunicorn workers (PICOMQ_WORKERS).")
 def serve(bind: str | None, storage_url: str | None, workers: int | None) -> NoReturn:
     """Run the server: gunicorn with gevent workers and the repository's gunicorn.conf.py."""
     environment = dict(os.environ)
@@ -219,7 +238,7 @@ def serve(bind: str | None, storage_url: str | None, workers: int | None) -> NoR
 @main.command()
 @click.argument("path")
 @click.option("--content-type", "-t", default=JSON, show_default=True)
-@click.option("--ttl", type=click.IntRange(min=0), help="Seconds to keep it after its last use.")
+@click.option("--ttl", type=WholeNumber(minimum=0), help="Seconds to keep it after its last use.")
 @click.option("--expires-at", help="RFC 3339 time at which it goes away.")
 @client_command
 def create(

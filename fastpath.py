@@ -31,6 +31,7 @@ from typing import Protocol
 from werkzeug.http import HTTP_STATUS_CODES
 
 from auth import PRIVATE_ANSWER_HEADERS, Verifier, bearer_credentials
+from decimals import parse_decimal
 from fanout import DIRECT_WRITER_ENVIRON_KEY
 from logs import REQUEST_ID_HEADER, log_request, request_id_from
 from metrics import count_append, get_metrics
@@ -167,10 +168,12 @@ class FastAppends:
         if environ["REQUEST_METHOD"] != "POST" or environ.get("QUERY_STRING"):
             return None
         path_info = environ.get("PATH_INFO", "")
-        length = environ.get("CONTENT_LENGTH", "")
         if not (path_info.startswith(STREAM_PREFIX) and path_info.isascii()):
             return None  # werkzeug decodes a path of other characters its own way
-        if not (length.isascii() and length.isdigit() and 0 < int(length) <= self.max_body_bytes):
+        try:
+            if parse_decimal(environ.get("CONTENT_LENGTH", ""), self.max_body_bytes) == 0:
+                return None
+        except ValueError:
             return None
         if not environ.keys().isdisjoint(NOT_PLAIN):
             return None

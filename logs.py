@@ -5,6 +5,11 @@ whole duration; a plain append, answered by fastpath.py, when its answer is read
 method, path, the read parameters of the query, status, duration, remote address and
 request id. Never headers, other query parameters, tokens or bodies: credentials may
 travel in any of those.
+
+Paths and query values are what clients percent-encoded, a line feed or an escape
+sequence included. JSON lines escape them as JSON does; plain text lines
+(`PICOMQ_LOG_FORMAT=text`) escape every control character, so no request can end a
+line or write one that looks like the server's.
 """
 
 from __future__ import annotations
@@ -29,6 +34,12 @@ LOGGED_QUERY_PARAMETERS = ("offset", "live", "prefix", "after", "limit")
 MAX_LOGGED_VALUE_CHARS = 200
 
 ACCESS_MESSAGE = "request"
+# C0 and C1 controls, DEL, and the Unicode line and paragraph separators.
+CONTROL_CHARACTER = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+SHORT_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+# A field value shown as it is; any other is shown as a JSON string.
+PLAIN_VALUE = re.compile(r'[^\s"=\\]+')
+TRACEBACK_INDENT = "    "
 
 
 def log_entry(
@@ -72,6 +83,71 @@ class JsonFormatter(logging.Formatter):
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return orjson.dumps(entry, default=str).decode()
+
+
+class TextFormatter(logging.Formatter):
+    """A handler's own plain lines, with nothing a request sent able to break them.
+
+    The line (`inner`'s format of the message) and the record's fields, appended as
+    `name=value` (a dict's items as `name.key=value`), have their control characters
+    escaped; an exception's or a stack's lines are escaped and indented, so every line
+    that starts at the margin is one the server began.
+    """
+
+    def __init__(self, inner: logging.Formatter | None) -> None:
+        super().__init__()
+        self.inner = inner or logging.Formatter()
+
+    def format(self, record: logging.LogRecord) -> str:
+        plain = record
+        if record.exc_info or record.exc_text or record.stack_info:
+            cleared = {"exc_info": None, "exc_text": None, "stack_info": None}
+            plain = logging.makeLogRecord(record.__dict__ | cleared)
+        line = self.inner.format(plain)
+        fields = getattr(record, "fields", None)
+        if fields:
+            line += " " + format_fields(fields)
+        parts = [escape_control_characters(line)]
+        if record.exc_info:
+            parts.append(indent(self.inner.formatException(record.exc_info)))
+        if record.stack_info:
+            parts.append(indent(self.inner.formatStack(record.stack_info)))
+        return "\n".join(parts)
+
+
+def format_fields(fields: dict[str, object], prefix: str = "") -> str:
+    """`name=value` pairs, a dict's items as `name.key=value`; a value that is empty or
+    holds a space, quote, `=` or backslash as a JSON string, so none reads as two."""
+    pairs = []
+    for name, value in fields.items():
+        if isinstance(value, dict):
+            pairs.append(format_fields(value, f"{prefix}{name}."))
+            continue
+        text = value if isinstance(value, str) else orjson.dumps(value, default=str).decode()
+        if PLAIN_VALUE.fullmatch(text) is None:
+            text = orjson.dumps(text).decode()
+        pairs.append(f"{prefix}{name}={text}")
+    return " ".join(filter(None, pairs))
+
+
+def escape_control_characters(text: str) -> str:
+    """`\\n`, `\\r`, `\\t`, or `\\xHH` / `\\uHHHH`, for each control character."""
+    return CONTROL_CHARACTER.sub(visible_escape, text)
+
+
+def visible_escape(match: re.Match[str]) -> str:
+    character = match.group()
+    short = SHORT_ESCAPES.get(character)
+    if short is not None:
+        return short
+    code = ord(character)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def indent(text: str) -> str:
+    """Every line escaped and indented: a traceback may quote a request's text."""
+    lines = text.split("\n")
+    return "\n".join(TRACEBACK_INDENT + escape_control_characters(line) for line in lines)
 
 
 class AccessLog:
@@ -193,7 +269,21 @@ def use_json_logs() -> None:
     for name in ("", "gunicorn.error"):
         for handler in logging.getLogger(name).handlers:
             handler.setFormatter(JsonFormatter())
+    escape_plain_lines("gunicorn.access")  # gunicorn's own access log, if turned on
     access_log.write_directly_if_possible()
+
+
+def use_text_logs() -> None:
+    escape_plain_lines("", "gunicorn.error", "gunicorn.access")
+
+
+def escape_plain_lines(*logger_names: str) -> None:
+    """Every handler of these loggers keeps its format, with what a request put in a
+    line escaped (TextFormatter)."""
+    for name in logger_names:
+        for handler in logging.getLogger(name).handlers:
+            if not isinstance(handler.formatter, TextFormatter):
+                handler.setFormatter(TextFormatter(handler.formatter))
 
 
 def request_id_from(given: str | None) -> str:

@@ -14,13 +14,14 @@ import functools
 import logging
 import os
 import random
+import secrets
 
 import gevent
 import orjson
-from flask import Flask, Response, current_app, request, send_from_directory
+from flask import Flask, Response, current_app, request
 
 from auth import allow_anonymous
-from logs import echo_and_log, start_request, use_json_logs
+from logs import echo_and_log, start_request, use_json_logs, use_text_logs
 from metrics import (
     count_request_start,
     count_response,
@@ -28,7 +29,7 @@ from metrics import (
     metrics_view,
     release_live_connection,
 )
-from picomq import BadRequest, error_response, format_offset, parse_decimal
+from picomq import BadRequest, error_response, format_offset, parse_number
 from settings import Settings
 from storage import (
     StorageUnavailable,
@@ -46,8 +47,12 @@ DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1000
 MAX_PREFIX_BYTES = 1024
 INSPECTOR_PAGE = "inspector.html"
+# Scripts and styles by this response's nonce alone: 'self' would trust every URL of
+# this origin, stream reads included, whose bodies anyone who may append writes.
 INSPECTOR_POLICY = (
-    "default-src 'self'; connect-src 'self'; img-src 'self' data:; frame-ancestors 'none'"
+    "default-src 'none'; script-src 'nonce-{nonce}'; style-src 'nonce-{nonce}';"
+    " connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'self';"
+    " frame-ancestors 'none'"
 )
 
 
@@ -55,6 +60,8 @@ def register_operations(app: Flask, store: StreamStore, settings: Settings) -> N
     """Add the routes above, request metrics, request ids and (if set) JSON logs."""
     if settings.log_format == "json":
         use_json_logs()
+    else:
+        use_text_logs()
     install_request_hooks(app, store)
     allow_anonymous(app, "static")  # the inspector's script and style hold no data
     app.add_url_rule("/healthz", "healthz", healthz, methods=["GET", "HEAD"])
@@ -168,7 +175,7 @@ def parse_listing() -> tuple[str, str | None, int]:
     limit_text = request.args.get("limit")
     limit = DEFAULT_PAGE_SIZE
     if limit_text is not None:
-        limit = parse_decimal("limit", limit_text, MAX_PAGE_SIZE)
+        limit = parse_number("limit", limit_text, MAX_PAGE_SIZE)
         if limit == 0:
             raise BadRequest(f"limit must be between 1 and {MAX_PAGE_SIZE}")
     return prefix, request.args.get("after"), limit
@@ -192,6 +199,21 @@ def json_response(body: dict[str, object], status: int) -> Response:
 
 
 def inspector() -> Response:
-    response = send_from_directory(current_app.static_folder, INSPECTOR_PAGE, max_age=0)
-    response.headers["Content-Security-Policy"] = INSPECTOR_POLICY
-    return response
+    """The page, its own script and stylesheet marked with a nonce made for this answer
+    (never cached: a cached page would carry an old nonce)."""
+    nonce = secrets.token_urlsafe(16)
+    page = inspector_page(current_app.static_folder)
+    marked = page.replace("<script ", f'<script nonce="{nonce}" ').replace(
+        "<link ", f'<link nonce="{nonce}" '
+    )
+    headers = {
+        "Content-Security-Policy": INSPECTOR_POLICY.format(nonce=nonce),
+        "Cache-Control": "no-store",
+    }
+    return Response(marked, 200, headers, mimetype="text/html")
+
+
+@functools.cache
+def inspector_page(folder: str) -> str:
+    with open(os.path.join(folder, INSPECTOR_PAGE), encoding="utf-8") as page:
+        return page.read()

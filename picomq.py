@@ -25,6 +25,7 @@ from flask import Flask, request
 from flask import Response as FlaskResponse
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
+from decimals import MAX_SAFE_INTEGER, parse_decimal
 from fanout import DIRECT_WRITER_ENVIRON_KEY, DirectWriter, Fanout, Follower
 from limits import LiveConnections, json_array_longer_than, json_nests_deeper_than
 from logs import REQUEST_ID_HEADER
@@ -63,7 +64,6 @@ STREAM_PREFIX = "/v1/stream/"
 RESERVED_PREFIX = "__ds"
 MAX_PATH_BYTES = 1024
 MAX_PATH_DEPTH = 32
-MAX_SAFE_INTEGER = 2**53 - 1
 DEFAULT_CONTENT_TYPE = "application/octet-stream"
 CURSOR_EPOCH = datetime.fromisoformat("2024-10-09T00:00:00+00:00").timestamp()
 CURSOR_INTERVAL_SECONDS = 20
@@ -110,11 +110,14 @@ COMMON_HEADERS = (*SECURITY_HEADERS.items(), *CORS_HEADERS.items())  # on every 
 PRODUCER_HEADERS = (PRODUCER_ID, PRODUCER_EPOCH, PRODUCER_SEQ)  # parse_producer's arguments
 # fastpath.py hands a plain append whose store call failed to the view under this key.
 FAST_APPEND_FAILURE = "picomq.fast_append_failure"
+# A stream's bytes are whatever its writers sent (text/html, SVG, ...), served from this
+# origin, where read links may carry a token: a browser that opens one as a page runs
+# none of it, gives it an origin of its own, and loads nothing for it.
+STREAM_BODY_POLICY = "default-src 'none'; sandbox"
 CACHEABLE = "public, max-age=60, stale-while-revalidate=300"
 NO_STORE = "no-store"
 
-OFFSET_PATTERN = re.compile(r"0{16}_(\d{16})")
-DECIMAL_PATTERN = re.compile(r"0|[1-9][0-9]*")
+OFFSET_PATTERN = re.compile(r"0{16}_([0-9]{16})")
 CONTENT_TYPE_PATTERN = re.compile(r"[\w.+-]+/[\w.+-]+\s*(;.*)?", re.ASCII)
 STARTS_AS_ARRAY = re.compile(rb"[ \t\r\n]*\[")
 JSON_ITEMS = msgspec.json.Decoder(list[msgspec.Raw])
@@ -218,15 +221,17 @@ def parse_stream_path(path: str) -> str:
     return path
 
 
-def parse_decimal(name: str, text: str, maximum: int = MAX_SAFE_INTEGER) -> int:
-    if DECIMAL_PATTERN.fullmatch(text) is None or int(text) > maximum:
-        raise BadRequest(f"{name} must be a non-negative decimal integer without leading zeros")
-    return int(text)
+def parse_number(name: str, text: str, maximum: int = MAX_SAFE_INTEGER) -> int:
+    """The numeric header or query parameter `name` (decimals.py says what passes)."""
+    try:
+        return parse_decimal(text, maximum)
+    except ValueError as error:
+        raise BadRequest(f"{name} {error}") from None
 
 
-def parse_optional_decimal(name: str) -> int | None:
+def parse_optional_number(name: str) -> int | None:
     text = request.headers.get(name)
-    return None if text is None else parse_decimal(name, text.strip())
+    return None if text is None else parse_number(name, text.strip())
 
 
 def parse_flag(name: str) -> bool:
@@ -359,7 +364,7 @@ def parse_producer(producer_id: str | None, epoch: str | None, seq: str | None) 
     if len(producer_id.encode()) > MAX_PRODUCER_ID_BYTES:
         raise BadRequest(f"Producer-Id is longer than {MAX_PRODUCER_ID_BYTES} bytes")
     return Producer(
-        producer_id, parse_decimal(PRODUCER_EPOCH, epoch), parse_decimal(PRODUCER_SEQ, seq)
+        producer_id, parse_number(PRODUCER_EPOCH, epoch), parse_number(PRODUCER_SEQ, seq)
     )
 
 
@@ -377,11 +382,15 @@ def parse_read_offset() -> str | None:
 
 
 def next_cursor(client_cursor: str | None) -> str:
-    """The protocol's cache-collapsing cursor: an interval number that never repeats back."""
+    """The protocol's cache-collapsing cursor: an interval number that never repeats back.
+
+    BadRequest for a client's cursor that is not a number: ours always are.
+    """
     interval = current_interval()
-    if client_cursor is not None and client_cursor.isdigit() and int(client_cursor) >= interval:
+    given = None if client_cursor is None else parse_number("cursor", client_cursor)
+    if given is not None and given >= interval:
         jitter_seconds = random.randint(1, 3600)
-        interval = int(client_cursor) + max(1, jitter_seconds // CURSOR_INTERVAL_SECONDS)
+        interval = given + max(1, jitter_seconds // CURSOR_INTERVAL_SECONDS)
     return str(interval)
 
 
@@ -401,9 +410,14 @@ def etag_of(result: ReadResult) -> str:
 
 
 def stream_headers(info: StreamInfo, tail: int | None = None) -> dict[str, str]:
-    """Content-Type and Stream-Next-Offset, plus Stream-Closed once the reader is at the end."""
+    """Content-Type, with the policy that keeps a browser from running the body, and
+    Stream-Next-Offset, plus Stream-Closed once the reader is at the end."""
     position = info.tail if tail is None else tail
-    headers = {"Content-Type": info.content_type, NEXT_OFFSET: format_offset(position)}
+    headers = {
+        "Content-Type": info.content_type,
+        "Content-Security-Policy": STREAM_BODY_POLICY,
+        NEXT_OFFSET: format_offset(position),
+    }
     if info.closed and position == info.tail:
         headers[CLOSED] = "true"
     return headers
@@ -461,7 +475,7 @@ def create_store(settings: Settings) -> StreamStore:
         retention_age=settings.retention_age,
         retention_bytes=settings.retention_bytes,
     )
-    writer_locks = StreamLocks.for_root(objects.root) if settings.workers > 1 else None
+    writer_locks = StreamLocks.for_storage(objects.root, local) if settings.workers > 1 else None
     return StreamStore(objects, store_settings, writer_locks)
 
 
@@ -613,17 +627,17 @@ class StreamViews:
             payload = self.parse_payload(content_type, body, allow_empty=True)
         return CreateRequest(
             content_type=content_type or "",
-            ttl=parse_decimal(TTL, ttl_text.strip()) if ttl_text is not None else None,
+            ttl=parse_number(TTL, ttl_text.strip()) if ttl_text is not None else None,
             expires_at=parse_expires_at(expires_text) if expires_text is not None else None,
             closed=parse_flag(CLOSED),
             payload=payload,
             fork_source=parse_fork_source(fork_source) if fork_source is not None else None,
             fork_offset=parse_offset(fork_offset.strip()) if fork_offset is not None else None,
             fork_sub_offset=(
-                parse_decimal(FORK_SUB_OFFSET, sub_offset.strip()) if sub_offset is not None else 0
+                parse_number(FORK_SUB_OFFSET, sub_offset.strip()) if sub_offset is not None else 0
             ),
-            retention_age=parse_optional_decimal(RETENTION_AGE),
-            retention_bytes=parse_optional_decimal(RETENTION_BYTES),
+            retention_age=parse_optional_number(RETENTION_AGE),
+            retention_bytes=parse_optional_number(RETENTION_BYTES),
         )
 
     def parse_payload(self, content_type: str, body: bytes, *, allow_empty: bool) -> Payload:
@@ -778,6 +792,7 @@ class StreamViews:
         if not is_json_type(info.content_type) and not info.content_type.startswith("text/"):
             headers[SSE_DATA_ENCODING] = "base64"
         cursor = request.args.get("cursor")
+        next_cursor(cursor)  # only to refuse a malformed one (400) before the 200
         writer = request.environ.get(DIRECT_WRITER_ENVIRON_KEY)
         base64_data = SSE_DATA_ENCODING in headers
         events = self.sse_events(path, info.incarnation, offset, cursor, base64_data, writer)
@@ -863,9 +878,15 @@ def parse_fork_source(text: str) -> str:
 
 
 def format_data_event(data: bytes, base64_data: bool) -> bytes:
+    """One `data:` field per line of the data (CR, LF and CRLF all end a line in SSE).
+
+    SSE parsers drop one space after `data:`, so a line that starts with a space gets
+    one more; other lines get none, as the conformance suite expects (`data:line1`).
+    """
     text = base64.b64encode(data) if base64_data else data
     lines = text.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
-    return b"event: data\n" + b"".join(b"data:" + line + b"\n" for line in lines) + b"\n"
+    fields = (b"data: " + line if line[:1] == b" " else b"data:" + line for line in lines)
+    return b"event: data\n" + b"\n".join(fields) + b"\n\n"
 
 
 def format_control_event(info: StreamInfo, offset: int, cursor: str) -> bytes:

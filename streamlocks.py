@@ -15,6 +15,11 @@ one byte each of a single file per storage root, at an offset hashed from the st
 key: no file per stream, and a lock goes with its descriptor, also when its process
 dies. Writers on other machines are not covered: they still take turns only by losing
 creates, which keeps them correct.
+
+Whoever can open the file can hold a lock in it, and a held lock stops the stream's
+commits. So the file is where only PicoMQ's user can write (the data directory itself,
+or a private directory of this machine for object stores), is never opened through a
+symbolic link, and is used only if it is a file of ours that no one else may open.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import fcntl
 import hashlib
 import logging
 import os
+import stat
 import struct
 import tempfile
 from collections.abc import Iterator
@@ -39,6 +45,8 @@ log = logging.getLogger("picomq.streamlocks")
 WAITING_THREADS = 16
 FLOCK_FORMAT = "hhqqi4x"  # struct flock: type, whence, start, length, pid (0 for OFD locks)
 UNAVAILABLE = "writers on this machine will not take turns on %s: %s"
+LOCAL_LOCK_FILE = ".writers.lock"  # hidden: a listing of the data directory skips it
+OPEN_FLAGS = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class StreamLocks:
@@ -49,16 +57,25 @@ class StreamLocks:
         self._waiting: ThreadPool | None = None  # made by the first wait: after the fork
 
     @classmethod
-    def for_root(cls, root: str) -> StreamLocks | None:
-        """Locks in the temporary directory, named by a hash of the storage root.
+    def for_storage(cls, root: str, is_local: bool) -> StreamLocks | None:
+        """Locks in the data directory on local disk; for an object store, in this
+        user's private directory (`private_directory`), named by a hash of the root.
 
-        None, with a warning, where that file cannot be made: the server still starts,
-        its writers racing as nodes do.
+        None, with a warning, where that file cannot be made or is not safe to use: the
+        server still starts, its writers racing as nodes do.
         """
-        digest = hashlib.sha256(root.encode()).hexdigest()[:16]
-        locks = cls(os.path.join(tempfile.gettempdir(), f"picomq-writers-{digest}.lock"))
         try:
-            os.close(locks._open())
+            if is_local:
+                path = os.path.join(root, LOCAL_LOCK_FILE)
+            else:
+                digest = hashlib.sha256(root.encode()).hexdigest()[:16]
+                path = os.path.join(private_directory(), f"writers-{digest}.lock")
+            locks = cls(path)
+            descriptor = locks._open()
+            try:  # a filesystem that cannot lock says so now, not at every commit
+                fcntl.fcntl(descriptor, fcntl.F_OFD_GETLK, lock_request(root))
+            finally:
+                os.close(descriptor)
         except OSError as error:
             log.warning(UNAVAILABLE, root, error)
             return None
@@ -83,7 +100,17 @@ class StreamLocks:
                 os.close(descriptor)  # releases the lock
 
     def _open(self) -> int:
-        return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        """The lock file, made 0600 if missing; OSError if the path is a symbolic link
+        (ELOOP) or the file is not ours alone."""
+        descriptor = os.open(self.path, OPEN_FLAGS, 0o600)
+        try:
+            status = os.fstat(descriptor)
+            if not stat.S_ISREG(status.st_mode) or not is_private(status):
+                raise PermissionError(f"{self.path} is not a file that only this user may open")
+        except BaseException:
+            os.close(descriptor)
+            raise
+        return descriptor
 
     def _acquire(self, key: str) -> tuple[int, bool]:
         """A descriptor that holds `key`'s lock, and whether we waited for it."""
@@ -122,6 +149,29 @@ class StreamLocks:
         if error is not None:
             os.close(descriptor)
             raise error
+
+
+def private_directory() -> str:
+    """`picomq-<uid>` in the temporary directory, made 0700 if missing.
+
+    The temporary directory is shared: another user may have made that directory
+    first, or put a symbolic link there. OSError unless it is a directory (not a link)
+    of this user that no one else may enter.
+    """
+    path = os.path.join(tempfile.gettempdir(), f"picomq-{os.geteuid()}")
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    status = os.lstat(path)
+    if not stat.S_ISDIR(status.st_mode) or not is_private(status):
+        raise PermissionError(f"{path} is not a directory that only this user may use")
+    return path
+
+
+def is_private(status: os.stat_result) -> bool:
+    """Owned by this process's user, with no permission for anyone else."""
+    return status.st_uid == os.geteuid() and status.st_mode & 0o077 == 0
 
 
 def lock_request(key: str) -> bytes:

@@ -60,6 +60,7 @@ from gevent import socket as gevent_socket
 from gevent.pywsgi import Input, format_date_time
 from gunicorn.workers.ggevent import GeventPyWSGIWorker, PyWSGIHandler, PyWSGIServer
 
+from decimals import DECIMAL_PATTERN
 from fanout import DIRECT_WRITER_ENVIRON_KEY
 
 READ_BUFFER_BYTES = 1024
@@ -68,7 +69,6 @@ READ_BUFFER_BYTES = 1024
 HEADER_LINE = re.compile(
     rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*([^\x00-\x08\x0a-\x1f\x7f]*?)[ \t]*\r?\n"
 )
-CONTENT_LENGTH = re.compile(r"[0-9]+")
 TARGET_OUTSIDE_ASCII = re.compile(r"[^\x21-\x7e]")  # RFC 9112 3.2, as gunicorn refuses
 
 
@@ -426,7 +426,9 @@ class PicoMQHandler(PyWSGIHandler):
             raise RefusedHead(
                 400, "Bad Request", "Transfer-Encoding must be chunked, without Content-Length"
             )
-        if len(lengths) > 1 or not all(CONTENT_LENGTH.fullmatch(value) for value in lengths):
+        # Digits only, as decimals.py reads numbers: at most 16 (pywsgi's int() raises
+        # past 4,300) and no leading zero.
+        if len(lengths) > 1 or not all(DECIMAL_PATTERN.fullmatch(value) for value in lengths):
             raise RefusedHead(400, "Bad Request", "malformed Content-Length")
 
     def MessageClass(self, rfile: Any, *args: Any) -> RequestHeaders:  # noqa: N802 (pywsgi's)

@@ -194,6 +194,10 @@ def test_errors_are_one_line_with_exit_codes(server: Server, unique_stream: str)
     assert unreachable.stderr == f"picomq: cannot reach {nobody}: connection refused\n"
 
     assert picomq(server.url, "tail").returncode == 2  # usage: no path
+    for ttl in ("٣", "+3", "9" * 5000):  # int() takes the first two, raises on the third
+        bad_ttl = picomq(server.url, "create", f"{unique_stream}-ttl", "--ttl", ttl)
+        assert bad_ttl.returncode == 2 and "ASCII digits" in bad_ttl.stderr, ttl
+        assert len(bad_ttl.stderr) < 1000, "the error echoes the 5,000 digits"
 
 
 # -- tail -----------------------------------------------------------------------------------------

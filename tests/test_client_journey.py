@@ -107,6 +107,21 @@ def test_byte_stream_resume_from_saved_offset_has_no_gap(
     assert received == b"".join(chunks)
 
 
+def test_text_lines_keep_their_leading_spaces_through_sse(
+    server: Server, unique_stream: str
+) -> None:
+    """SSE parsers drop one space after `data:`: a line that starts with one must not
+    lose it, nor a line after a line break inside the stream's text."""
+    url = server.stream_url(unique_stream)
+    text = " one space\n  two spaces\nnone\n\tand a tab\n "
+    headers = {"Content-Type": "text/plain", "Stream-Closed": "true"}
+    assert requests.put(url, data=text.encode(), headers=headers).status_code == 201
+    with guarded_client() as client:
+        with stream(url, offset="-1", live="sse", client=client) as follower:
+            received = "".join(event.data for event in follower.iter_events(mode="text"))
+    assert received == text
+
+
 def test_client_polling_a_closed_stream_in_a_loop_gets_cheap_204s(
     server: Server, unique_stream: str
 ) -> None:

@@ -266,6 +266,32 @@ def test_cache_control_on_head_now_and_catch_up(server: Server, unique_stream: s
     assert "no-store" not in catch_up.headers["Cache-Control"]
 
 
+def test_a_stream_read_as_a_page_is_sandboxed_and_loads_nothing(
+    server: Server, unique_stream: str
+) -> None:
+    """Anyone who may create a stream can write a page: a browser must run none of it
+    on this origin (tests/test_inspector.py opens one in Chromium)."""
+    url = server.stream_url(unique_stream)
+    page = b"<script>fetch('/v1/streams').then(r => r.text()).then(alert)</script>"
+    create(url, {"Content-Type": "text/html"}, page)
+    tail = requests.head(url).headers["Stream-Next-Offset"]
+    answers = {
+        "catch-up": requests.get(url, params={"offset": "-1"}),
+        "not modified": requests.get(
+            url, headers={"If-None-Match": requests.get(url).headers["ETag"]}
+        ),
+        "now": requests.get(url, params={"offset": "now"}),
+        "long-poll": requests.get(url, params={"offset": "-1", "live": "long-poll"}),
+        "long-poll, timed out": requests.get(url, params={"offset": tail, "live": "long-poll"}),
+        "head": requests.head(url),
+    }
+    for name, answer in answers.items():
+        assert answer.status_code in (200, 204, 304), (name, answer.status_code)
+        policy = [part.strip() for part in answer.headers["Content-Security-Policy"].split(";")]
+        assert "sandbox" in policy and "default-src 'none'" in policy, (name, policy)
+    assert answers["catch-up"].content == page
+
+
 def test_cors_preflight_allows_the_protocol_headers(server: Server, unique_stream: str) -> None:
     url = server.stream_url(unique_stream)
     response = requests.options(

@@ -9,6 +9,8 @@ takes one in its Token field and never shows it. Needs node, npm and /usr/bin/ch
 
 from __future__ import annotations
 
+import re
+import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,10 +34,48 @@ def test_page_is_served_with_its_scripts_even_with_access_control_on(
     page = requests.get(f"{server.url}/", timeout=10)
     assert page.status_code == 200
     assert page.headers["Content-Type"].startswith("text/html")
-    assert "default-src 'self'" in page.headers["Content-Security-Policy"]
+    directives = dict(
+        part.strip().partition(" ")[::2]
+        for part in page.headers["Content-Security-Policy"].split(";")
+    )
+    nonce = re.fullmatch(r"'nonce-([\w-]{16,})'", directives["script-src"])
+    assert nonce is not None, directives  # no 'self': streams are served from this origin
+    assert directives["style-src"] == directives["script-src"]
+    assert directives["default-src"] == "'none'" and page.headers["Cache-Control"] == "no-store"
     for asset in ("/static/inspector.js", "/static/inspector.css"):
-        assert asset in page.text
+        assert re.search(f'nonce="{nonce.group(1)}"[^>]*"{asset}"', page.text), asset
         assert requests.get(f"{server.url}{asset}", timeout=10).status_code == 200
+    again = requests.get(f"{server.url}/", timeout=10).headers["Content-Security-Policy"]
+    assert nonce.group(0) not in again, "the nonce is the same for two answers"
+
+
+def test_no_stream_runs_as_a_page_or_as_the_inspectors_script(
+    start_server: StartServer, unique_stream: str, tmp_path: Path
+) -> None:
+    """Anyone who may create a stream writes its bytes, served from this origin: in a
+    browser they must run neither as a page of their own nor in the inspector's page."""
+    require_chromium()
+    install_node_packages()
+    server = start_server()
+    streams = {
+        f"{unique_stream}-page": ("text/html", b"<script>document.title = 'ran'</script>"),
+        f"{unique_stream}-script": ("text/javascript", b"window.ran = true;"),
+    }
+    for path, (content_type, body) in streams.items():
+        response = requests.put(
+            server.stream_url(path), data=body, headers={"Content-Type": content_type}
+        )
+        assert response.status_code == 201, response.content
+    screenshot = tmp_path / "sandbox.png"
+    result = subprocess.run(
+        ["node", str(NODE_DIR / "sandbox.mjs"), server.url, *streams, str(screenshot)],
+        cwd=NODE_DIR,
+        capture_output=True,
+        text=True,
+        timeout=DRIVER_TIMEOUT_SECONDS,
+    )
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}\n(screenshot: {screenshot})"
+    assert result.stdout.startswith("OK "), result.stdout
 
 
 @pytest.mark.parametrize("access_control", ["off", "on"])

@@ -52,14 +52,15 @@ def send_raw(
     headers: dict[str, str] | None = None,
     body: bytes = b"",
 ) -> RawResponse:
-    """One request with `target` sent byte for byte, on its own connection."""
+    """One request with `target` sent byte for byte, on its own connection; header
+    values in UTF-8, and the body's length unless `headers` give a Content-Length."""
     lines = [
         method.encode() + b" " + target + b" HTTP/1.1",
         b"Host: 127.0.0.1",
         b"Connection: close",
-        f"Content-Length: {len(body)}".encode(),
     ]
-    lines += [f"{name}: {value}".encode() for name, value in (headers or {}).items()]
+    fields = {"Content-Length": str(len(body)), **(headers or {})}
+    lines += [f"{name}: {value}".encode() for name, value in fields.items()]
     port = urlsplit(server.url).port
     with socket.create_connection(("127.0.0.1", port), timeout=SOCKET_TIMEOUT_SECONDS) as sock:
         sock.sendall(b"\r\n".join(lines) + b"\r\n\r\n" + body)
@@ -421,6 +422,7 @@ BAD_OFFSET_QUERIES = [
     "offset=-2",
     "offset=NOW",
     "offset=0000000000000000_0000000000000000_0",
+    "offset=0000000000000000_" + "%D9%A0" * 15 + "%D9%A1",  # Arabic-Indic digits: 0...01
 ]
 
 

@@ -7,12 +7,20 @@ import json
 import logging
 import re
 import select
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+import requests
 
+from auth import mint_token
 from logs import AccessLog, JsonFormatter, utc_time
+
+if TYPE_CHECKING:
+    from conftest import StartServer
 
 FIELDS = {"method": "POST", "path": "/v1/stream/a", "query": {}, "status": 204, "request_id": "r1"}
 TIME_PATTERN = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z")
@@ -147,3 +155,47 @@ def test_line_times_are_datetime_s_rendering(fraction: float) -> None:
         created = second + fraction
         rendered = datetime.fromtimestamp(created, UTC).isoformat(timespec="milliseconds")
         assert utc_time(created) == rendered.replace("+00:00", "Z")
+
+
+FORGED = "1999-12-31 23:59:59,999 INFO picomq.access: forged"
+
+
+def test_text_logs_keep_what_a_request_sent_inside_one_line(start_server: StartServer) -> None:
+    """A path or query value with an encoded line feed, carriage return or escape
+    sequence, logged by the access line and by the token check's refusal: each shows
+    as an escape inside a line the server began, and no line starts with the forgery."""
+    secret = "log-test-secret-of-at-least-32-bytes"
+    server = start_server(env={"PICOMQ_LOG_FORMAT": "text", "PICOMQ_JWT_SECRET": secret})
+    token = {"Authorization": f"Bearer {mint_token(secret, 'HS256', 'read:**', 60)}"}
+    for separator in ("%0A", "%0D", "%0D%0A", "%E2%80%A8", "%1B[2K%0D"):
+        forged = f"{separator}{requests.utils.quote(FORGED)}"
+        assert requests.get(f"{server.url}/v1/stream/a{forged}").status_code in (401, 404)
+        read = requests.get(f"{server.url}/v1/stream/a?offset={forged}", headers=token)
+        assert read.status_code in (400, 404)
+    # The workers write their lines as the responses close: wait for the last one.
+    deadline = time.monotonic() + 10
+    while server.output().count("forged") < 15 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    lines = server.output().splitlines()
+    with_forgery = [line for line in lines if "forged" in line]
+    assert len(with_forgery) >= 15, with_forgery  # refusals and access lines, all five
+    for line in with_forgery:
+        assert not line.startswith(FORGED[:4]), line
+        assert not re.search("[\x00-\x1f\x7f-\x9f\u2028\u2029]", line), line
+    assert any("method=GET path=" in line for line in with_forgery), with_forgery
+
+
+def test_gunicorns_own_access_log_keeps_a_decoded_path_inside_one_line(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    """An operator may turn gunicorn's access log on; its %(U)s is the decoded path."""
+    access_log = tmp_path / "gunicorn-access.log"
+    arguments = f"--access-logfile {access_log} --access-logformat '%(m)s %(U)s %(s)s'"
+    server = start_server(env={"GUNICORN_CMD_ARGS": arguments})
+    forged = f"%0A{requests.utils.quote(FORGED)}"
+    assert requests.get(f"{server.url}/v1/stream/a{forged}").status_code == 404
+    deadline = time.monotonic() + 10
+    while "forged" not in access_log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with_forgery = [line for line in access_log.read_text().splitlines() if "forged" in line]
+    assert with_forgery == [f"GET /v1/stream/a\\n{FORGED} 404"], with_forgery

@@ -7,6 +7,8 @@ side runs in a greenlet, as the store's writer does, so the event loop goes on.
 
 from __future__ import annotations
 
+import os
+import stat
 import subprocess
 import sys
 import tempfile
@@ -147,10 +149,80 @@ def test_a_wait_given_up_leaves_the_lock_free(lock_path: Path, start_holder: Sta
 
 
 def test_a_lock_file_that_cannot_be_made_leaves_the_writers_racing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "missing"))
-    assert StreamLocks.for_root("/data") is None
+    assert StreamLocks.for_storage(str(tmp_path / "missing"), is_local=True) is None
     assert "will not take turns" in caplog.text
+
+
+def test_on_local_disk_the_locks_are_a_private_hidden_file_of_the_data_directory(
+    tmp_path: Path,
+) -> None:
+    locks = StreamLocks.for_storage(str(tmp_path), is_local=True)
+    assert locks is not None and locks.path == str(tmp_path / ".writers.lock")
+    assert stat.S_IMODE(os.stat(locks.path).st_mode) == 0o600
+
+
+def test_for_an_object_store_the_locks_are_in_a_private_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    assert StreamLocks.for_root("/data") is not None
+    locks = StreamLocks.for_storage("bucket/prefix", is_local=False)
+    assert locks is not None
+    directory = tmp_path / f"picomq-{os.geteuid()}"
+    assert Path(locks.path).parent == directory
+    assert stat.S_IMODE(os.lstat(directory).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(locks.path).st_mode) == 0o600
+    other = StreamLocks.for_storage("bucket/other", is_local=False)
+    assert other is not None and other.path != locks.path
+
+
+def test_a_symbolic_link_planted_at_the_lock_file_is_never_followed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    target = tmp_path / "elsewhere"
+    (tmp_path / ".writers.lock").symlink_to(target)
+    assert StreamLocks.for_storage(str(tmp_path), is_local=True) is None
+    assert not target.exists(), "the link was followed"
+    locks = StreamLocks(str(tmp_path / ".writers.lock"))  # planted after the start
+    with locks.held(KEY) as waited:
+        assert not waited
+    assert not target.exists() and "will not take turns" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "plant",
+    ["a link to a directory of ours", "a directory others may write", "a file"],
+)
+def test_a_private_directory_someone_made_first_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, plant: str
+) -> None:
+    """In a shared temporary directory, another user may make ours first."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    planted = tmp_path / f"picomq-{os.geteuid()}"
+    if plant == "a link to a directory of ours":
+        (tmp_path / "theirs").mkdir(mode=0o700)
+        planted.symlink_to(tmp_path / "theirs")
+    elif plant == "a directory others may write":
+        planted.mkdir()
+        planted.chmod(0o777)
+    else:
+        planted.write_bytes(b"")
+    assert StreamLocks.for_storage("bucket/prefix", is_local=False) is None
+    if plant == "a link to a directory of ours":
+        assert not any((tmp_path / "theirs").iterdir()), "a lock file was made through it"
+
+
+@pytest.mark.parametrize("owner", ["another user", "us, readable by others"])
+def test_a_lock_file_another_user_could_open_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, owner: str
+) -> None:
+    """A process that can open the file can hold a lock in it, and stop the commits."""
+    path = tmp_path / ".writers.lock"
+    path.write_bytes(b"")
+    path.chmod(0o600)
+    if owner == "another user":  # as if: we are some other user than the file's owner
+        monkeypatch.setattr(os, "geteuid", lambda: os.stat(path).st_uid + 1)
+    else:
+        path.chmod(0o644)
+    assert StreamLocks.for_storage(str(tmp_path), is_local=True) is None

@@ -131,6 +131,8 @@ AMBIGUOUS_HEADS = {
     "two lengths": [b"Content-Length: 5", b"Content-Length: 5"],
     "signed length": [b"Content-Length: +5"],
     "length with underscore": [b"Content-Length: 0_5"],
+    "length with a leading zero": [b"Content-Length: 05"],
+    "length past 16 digits": [b"Content-Length: 00000000000000005"],
     "coding other than chunked": [b"Transfer-Encoding: gzip, chunked"],
     "two codings": [b"Transfer-Encoding: chunked", b"Transfer-Encoding: chunked"],
     "space before colon": [b"Content-Length : 5"],

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import random
 import shlex
+import stat
 import statistics
 import threading
 import time
@@ -247,6 +249,12 @@ def test_concurrent_writers_across_workers_lose_duplicate_and_reorder_nothing(
     create_stream(url, TEXT_TYPE)
     write_records_together(url)
     assert_spread(access_log, "POST", stream_path(server, unique_stream))
+    # The writers took turns through a file only PicoMQ's user may open (streamlocks.py).
+    lock = server.data_dir / ".writers.lock"
+    assert stat.S_IMODE(os.stat(lock, follow_symlinks=False).st_mode) == 0o600
+    assert not list(Path(server.env["TMPDIR"]).glob("*writers*"))
+    listed = requests.get(f"{server.url}/v1/streams").json()["streams"]
+    assert ".writers.lock" not in [stream["path"] for stream in listed]
 
 
 def test_workers_take_turns_at_the_commits_of_a_stream(
@@ -270,6 +278,9 @@ def test_workers_take_turns_at_the_commits_of_a_stream(
     puts = sorted(segment_put_records(proxied_s3.proxy, since), key=lambda record: record.began)
     overlapping = [(one, later) for one, later in pairwise(puts) if later.began < one.ended]
     assert not overlapping, f"{len(overlapping)} of {len(puts)} segment PUTs overlapped another"
+    private = Path(server.env["TMPDIR"]) / f"picomq-{os.geteuid()}"  # streamlocks.py
+    assert stat.S_IMODE(os.stat(private, follow_symlinks=False).st_mode) == 0o700
+    assert len(list(private.glob("writers-*.lock"))) == 1
 
 
 def write_records_together(url: str) -> None:
