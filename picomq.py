@@ -261,7 +261,8 @@ def parse_content_type(content_type: str | None, required: bool) -> str | None:
 
 
 def read_body() -> bytes:
-    """The request body; 413 past the limit, 400 if the client hangs up before its end.
+    """The request body; 413 past the limit, 400 if the client hangs up before its end
+    or does not send it whole within PICOMQ_BODY_TIMEOUT (worker.py ends the read).
 
     A body of declared length is read straight from gunicorn's reader, in one piece:
     werkzeug's wrapper would copy it through 64 KiB chunks and a bytearray (6 % of the
@@ -275,7 +276,10 @@ def read_body() -> bytes:
             raise RequestEntityTooLarge()
         body = read_up_to(request.environ["wsgi.input"], length)
         if len(body) < length:
-            raise BadRequest(f"the body ended after {len(body)} of its {length} bytes")
+            raise BadRequest(
+                f"the body ended after {len(body)} of its {length} bytes"
+                " (the client hung up, or did not send it within the body deadline)"
+            )
         return body
     body = request.get_data()
     if limit is not None and len(body) >= limit and request.input_stream.read(1):

@@ -164,6 +164,20 @@ SETTINGS: tuple[Setting, ...] = (
         "Seconds after which an SSE response ends so clients reconnect (lets caches collapse).",
     ),
     Setting(
+        "body_timeout",
+        "30",
+        _positive_float,
+        "Seconds a request body may take to arrive whole after its head; past them the"
+        " request gets 400 and its connection closes.",
+    ),
+    Setting(
+        "write_timeout",
+        "30",
+        _positive_float,
+        "Seconds one write of a response may wait for the client to take it; past them"
+        " the connection closes.",
+    ),
+    Setting(
         "max_request_bytes",
         str(16 * 1024 * 1024),
         _request_bytes,
@@ -307,6 +321,8 @@ class Settings:
     storage_url: str
     long_poll_timeout: float
     sse_max_duration: float
+    body_timeout: float
+    write_timeout: float
     max_request_bytes: int
     max_append_messages: int
     max_read_bytes: int

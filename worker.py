@@ -22,6 +22,14 @@ Location is built) from a trusted proxy's X-Forwarded-Proto and the like
 (`secure_scheme_headers` from a peer in `forwarded_allow_ips`), and ends keep-alive
 once the worker is stopping.
 
+What neither worker does, this one does: it bounds the time a client holds a connection.
+A request body must arrive whole within PICOMQ_BODY_TIMEOUT of its head, each write
+that waits for a client must be taken within PICOMQ_WRITE_TIMEOUT, and the unread body
+of a request answered without it (a 401, a 413) is not waited for: the connection
+closes after the answer. Without them, a client that sent a head and then nothing, or
+stopped reading its answer, held its connection and greenlet for good, and a few
+thousand such took every connection the worker had.
+
 Before every write, gevent's `sendall` asks the kernel for the socket's send-buffer
 size (to size its chunks) and reads the clock (for its timeout), then sends. An SSE
 fan-out writes one small event to each of thousands of sockets per message, so that
@@ -46,9 +54,11 @@ memory with them, 16.9 without (4,000 subscribers, scratch).
 
 from __future__ import annotations
 
+import errno
 import functools
 import ipaddress
 import re
+import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -62,6 +72,7 @@ from gunicorn.workers.ggevent import GeventPyWSGIWorker, PyWSGIHandler, PyWSGISe
 
 from decimals import DECIMAL_PATTERN
 from fanout import DIRECT_WRITER_ENVIRON_KEY
+from settings import Settings
 
 READ_BUFFER_BYTES = 1024
 # A header line (RFC 9110 5.1, 5.5): a token, a colon, a value without control
@@ -72,8 +83,17 @@ HEADER_LINE = re.compile(
 TARGET_OUTSIDE_ASCII = re.compile(r"[^\x21-\x7e]")  # RFC 9112 3.2, as gunicorn refuses
 
 
+class WriteTimedOut(TimeoutError):
+    """A client did not take a whole write within PICOMQ_WRITE_TIMEOUT: the connection
+    is shut, and pywsgi lets it go as it does one the client reset (ETIMEDOUT)."""
+
+    def __init__(self) -> None:
+        super().__init__(errno.ETIMEDOUT, "the client did not take a write in time")
+
+
 class EagerSendSocket(gevent_socket.socket):
-    """A gevent socket whose `sendall` tries one plain send first.
+    """A gevent socket whose `sendall` tries one plain send first, and waits for the
+    rest within a deadline.
 
     Same slots as its base, so an accepted socket can take this class in place. The
     wrapped OS socket is always non-blocking under gevent, so the first send never
@@ -81,11 +101,12 @@ class EagerSendSocket(gevent_socket.socket):
     """
 
     __slots__ = ()
+    write_seconds: float | None = None  # PICOMQ_WRITE_TIMEOUT, set by PicoMQWorker
 
     def sendall(self, data: bytes, flags: int = 0) -> None:
         sent = self.send_now(data, flags)
         if sent < len(data):
-            super().sendall(memoryview(data)[sent:], flags)
+            self.send_rest(memoryview(data)[sent:], flags)
 
     def send_now(self, data: bytes, flags: int = 0) -> int:
         """What the kernel takes at once, without waiting for the socket to drain."""
@@ -93,6 +114,35 @@ class EagerSendSocket(gevent_socket.socket):
             return self._sock.send(data, flags)
         except BlockingIOError:
             return 0
+
+    def send_rest(self, data: memoryview, flags: int) -> None:
+        """Wait for the socket to drain, all of `data` within `write_seconds` in total:
+        a client that stops reading, or reads a byte at a time, would otherwise hold its
+        connection and greenlet for good. Past the deadline the connection is shut both
+        ways, so that the response's next write fails at once too (EPIPE).
+
+        A Timeout only for a write that waits: one for every request cost a plain append
+        3 % (see PicoMQHandler's head deadline)."""
+        try:
+            with gevent.Timeout(self.write_seconds, WriteTimedOut):
+                super().sendall(data, flags)
+        except WriteTimedOut:
+            self.shut(socket.SHUT_RDWR)
+            raise
+
+    def stop_reading(self) -> None:
+        """A read waiting on this connection returns what came and then end of file, as
+        if the client had hung up; so does every later read.
+
+        Through the OS socket, whose shutdown wakes the reader: gevent's own would raise
+        in it instead, and lose the bytes its buffered read had taken so far."""
+        self.shut(socket.SHUT_RD)
+
+    def shut(self, how: int) -> None:
+        try:
+            self._sock.shutdown(how)
+        except OSError:
+            pass  # the client is gone already
 
 
 @dataclass(frozen=True)
@@ -223,10 +273,26 @@ def read_headers(rfile: Any, limits: HeadLimits) -> RequestHeaders:
 
 class ShortReadInput(Input):
     """pywsgi's request body, except that a body the client cuts short reads short, as a
-    file does. pywsgi raises instead, and drops the part that came: PicoMQ's 400 says
-    how much of the body arrived."""
+    file does (pywsgi raises instead, and drops the part that came: PicoMQ's 400 says
+    how much of the body arrived), and that a body the app leaves unread is not read.
+
+    pywsgi reads the rest of an unread body before the next request, as long as the
+    client takes to send it: after a 401 or 413, a client could hold the connection
+    with a body it never finishes. Here the answer says `Connection: close` instead
+    (PicoMQHandler.ends_after_answer), and the connection closes after it.
+    """
 
     __slots__ = ()
+
+    @property
+    def unread(self) -> bool:
+        """Part of the body has not been read: the connection cannot carry another request."""
+        if self.chunked_input:
+            return self.chunk_length != 0 or self._chunked_input_error
+        return self.position < (self.content_length or 0)
+
+    def _discard(self) -> None:
+        """Nothing: an unread body closes the connection (see the class)."""
 
     def _do_read(self, length: int | None = None, use_readline: bool = False) -> bytes:
         if use_readline or self.content_length is None:
@@ -249,15 +315,20 @@ def http_date(second: int) -> bytes:
 
 
 class PicoMQHandler(PyWSGIHandler):
-    """pywsgi's handler, reading heads within HeadLimits and refusing them in JSON."""
+    """pywsgi's handler, reading heads within HeadLimits and refusing them in JSON, and
+    bodies within PICOMQ_BODY_TIMEOUT."""
 
     # PicoMQWorker.init_process sets these from gunicorn's settings, and itself: a worker
     # process serves one handler class.
     limits: HeadLimits
+    body_seconds: float  # PICOMQ_BODY_TIMEOUT
     forwarding: Forwarding
     worker: GeventPyWSGIWorker
     gunicorn_access_log: bool  # --access-logfile or a log config: gunicorn's line is wanted
     url_scheme: str | None = None
+    body_deadline: Any = None  # a timer, made for the connection's first body
+    # A connection's end is no error of the server's: pywsgi logs none of these.
+    ignored_socket_errors = (*PyWSGIHandler.ignored_socket_errors, errno.ETIMEDOUT)
 
     def __init__(self, sock: gevent_socket.socket, address: Any, server: Any) -> None:
         sock.__class__ = EagerSendSocket
@@ -269,10 +340,32 @@ class PicoMQHandler(PyWSGIHandler):
         self.head_deadline = server.loop.timer(seconds, seconds)
 
     def handle_one_request(self) -> tuple[str, bytes] | bool | None:
-        """As gunicorn's workers do, end each connection after its answer once the
-        worker is stopping: a kept-alive client would hold the stop to graceful_timeout."""
+        """End the connection after its answer when the answer said so: as gunicorn's
+        workers do, once the worker is stopping (a kept-alive client would hold the stop
+        to graceful_timeout), and when the body was left unread."""
         handled = super().handle_one_request()
-        return None if handled is True and not self.worker.alive else handled
+        if self.body_deadline is not None:
+            self.body_deadline.stop()
+        return None if handled is True and self.ends_after_answer else handled
+
+    def start_body_deadline(self) -> None:
+        """The whole body must arrive within `body_seconds` of its head: a client that
+        sends a head, then a body slowly or never (a byte every few seconds defeats a
+        deadline on each read), would otherwise hold its connection for good. One timer
+        a connection, as the head's."""
+        if self.body_deadline is None:
+            seconds = self.body_seconds
+            self.body_deadline = self.server.loop.timer(seconds, seconds)
+        self.body_deadline.again(self.end_body)
+
+    def end_body(self) -> None:
+        """At the body's deadline, stop reading the connection if any of the body is still
+        to come: the app reads what came (and answers 400, a body cut short), and the
+        connection closes after the answer."""
+        self.body_deadline.stop()
+        if self.wsgi_input is not None and self.wsgi_input.unread:
+            self.close_connection = True
+            self.socket.stop_reading()
 
     def start_response(
         self, status: str, headers: list[tuple[str, str]], exc_info: Any = None
@@ -288,8 +381,9 @@ class PicoMQHandler(PyWSGIHandler):
 
     @property
     def ends_after_answer(self) -> bool:
-        """The connection closes after this answer: asked for, or the worker is stopping."""
-        return self.close_connection or not self.worker.alive
+        """The connection closes after this answer: asked for, the worker is stopping, or
+        the body was left unread (ShortReadInput)."""
+        return self.close_connection or not self.worker.alive or self.wsgi_input.unread
 
     def log_request(self) -> None:
         """gunicorn's access line, only when its access log is on (PicoMQ writes its own):
@@ -314,6 +408,8 @@ class PicoMQHandler(PyWSGIHandler):
         if not self.gunicorn_access_log:  # read_request parses the next head anew
             self.headers = None
         self.wsgi_input.__class__ = ShortReadInput
+        if self.wsgi_input.unread:  # a body is to come
+            self.start_body_deadline()
         if self.url_scheme is not None:
             environ["wsgi.url_scheme"] = self.url_scheme
         return environ
@@ -363,6 +459,8 @@ class PicoMQHandler(PyWSGIHandler):
             super().handle()
         finally:
             self.head_deadline.close()
+            if self.body_deadline is not None:
+                self.body_deadline.close()
             if self.environ is not None:  # the handler, in its own environ: a cycle
                 self.environ.pop(DIRECT_WRITER_ENVIRON_KEY, None)
 
@@ -484,6 +582,7 @@ class PicoMQWorker(GeventPyWSGIWorker):
     wsgi_handler = PicoMQHandler
 
     def init_process(self) -> None:
+        settings = Settings.from_environment()  # gunicorn.conf.py has checked them
         PicoMQHandler.worker = self
         PicoMQHandler.forwarding = Forwarding.from_config(self.cfg)
         PicoMQHandler.gunicorn_access_log = self.log.access_log_enabled
@@ -493,4 +592,6 @@ class PicoMQWorker(GeventPyWSGIWorker):
             header_line_bytes=self.cfg.limit_request_field_size,
             read_seconds=self.cfg.keepalive,
         )
+        PicoMQHandler.body_seconds = settings.body_timeout
+        EagerSendSocket.write_seconds = settings.write_timeout
         super().init_process()
