@@ -15,7 +15,8 @@ long-poll timeout, after which the view sends its periodic control event, or the
 maximum duration), when the kernel does not take a whole event at once (the rest goes
 out from the subscriber's greenlet, which can wait for the socket to drain), when the
 connection fails, when the stream closes, and when the broadcaster meets an error (the
-subscriber's next wait meets it too, and ends the response as before).
+subscriber's next wait meets it too, and ends the response as before), and when the
+worker stops (wakeups.py's `end_waits`: the subscriber then sends its last event).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from gevent.event import Event
 
 from objectstore import StorageUnavailable
 from storage import StoreError, StreamInfo, StreamStore
-from wakeups import Alarms
+from wakeups import Alarms, WaitsEnded
 
 log = logging.getLogger("picomq.fanout")
 
@@ -127,7 +128,7 @@ class Fanout:
                     self._deliver(path, info, broadcast)
                     if info.closed and broadcast.offset == info.tail:
                         break
-        except (StoreError, StorageUnavailable) as error:
+        except (StoreError, StorageUnavailable, WaitsEnded) as error:
             log.info("fan-out on %s ended: %s", path, error)
         finally:
             if self._broadcasts.get(path) is broadcast:

@@ -2,8 +2,8 @@
 
 A long-poll or SSE response holds its request open for up to PICOMQ_LONG_POLL_TIMEOUT
 or PICOMQ_SSE_MAX_DURATION seconds; gevent workers serve thousands of such requests
-per process, and both end themselves before `graceful_timeout`, so a restart lets them
-finish instead of cutting them.
+per process. On SIGTERM a worker ends them at once, each with a whole answer its client
+resumes from (worker.py), so a restart waits only for the requests in flight.
 """
 
 import glob
@@ -31,8 +31,10 @@ worker_connections = settings.max_live_connections + 5_000
 # The gevent worker notifies the arbiter every second even while requests wait, so
 # `timeout` only catches a worker whose event loop is truly stuck.
 timeout = 30
+# A stop ends live reads and idle connections at once; this is the backstop for a body
+# still arriving (PICOMQ_BODY_TIMEOUT) and an answer still being written.
 graceful_timeout = 75
-keepalive = 5  # short: an idle keep-alive connection delays a graceful stop
+keepalive = 5  # the deadline on each request head (worker.py)
 control_socket_disable = True
 # Past these the worker itself answers 431, 414 or 400 (in JSON: worker.py); the app never
 # sees the request.

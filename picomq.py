@@ -57,6 +57,7 @@ from storage import (
     is_json_type,
 )
 from streamlocks import StreamLocks
+from wakeups import WaitsEnded, waits_ended
 
 log = logging.getLogger("picomq")
 
@@ -779,13 +780,24 @@ class StreamViews:
         position, incarnation = self.start_of_live_read(path, offset_text)
         cursor = {CURSOR: next_cursor(request.args.get("cursor"))}
         timeout = self.settings.long_poll_timeout
-        info = self.store.wait(path, position, timeout, incarnation=incarnation)
+        info = self.live_wait(path, position, timeout, incarnation)
         if info.tail > position:
             result = self.store.read(path, position, incarnation=info.incarnation, after_wait=True)
             return self.read_response(result, cursor)
         headers = stream_headers(info)
         headers.update({UP_TO_DATE: "true", "Cache-Control": NO_STORE, **cursor})
         return Response(status=204, headers=headers)
+
+    def live_wait(
+        self, path: str, offset: int, timeout: float, incarnation: str | None
+    ) -> StreamInfo:
+        """The store's wait, cut short when the worker stops: then the stream as it is,
+        so the live read answers at once with what it has, and its client resumes from
+        Stream-Next-Offset on the next server instead of holding the stop."""
+        try:
+            return self.store.wait(path, offset, timeout, incarnation=incarnation)
+        except WaitsEnded:
+            return self.store.wait(path, offset, 0.0, incarnation=incarnation)
 
     def sse(self, path: str, offset_text: str) -> Response:
         requested, incarnation = self.start_of_live_read(path, offset_text)
@@ -834,7 +846,8 @@ class StreamViews:
         base64_data: bool,
         writer: DirectWriter | None,
     ) -> Generator[bytes, None, None]:
-        """Data events each followed by a control event, until closed or the deadline.
+        """Data events each followed by a control event, until closed, the deadline or
+        the worker's stop.
 
         At the tail, with a server that offers its connection (`writer`), the stream's
         broadcaster writes the events (fanout.py) until it hands the connection back.
@@ -846,11 +859,12 @@ class StreamViews:
         cursor = next_cursor(client_cursor)
         try:
             while True:
-                info = self.store.wait(path, offset, timeout, incarnation=incarnation)
+                info = self.live_wait(path, offset, timeout, incarnation)
                 cursor = advanced_cursor(cursor)
                 offset, event = self.sse_event(path, info, offset, cursor, base64_data)
                 yield event
-                if (info.closed and offset == info.tail) or time.monotonic() >= deadline:
+                at_end = info.closed and offset == info.tail
+                if at_end or time.monotonic() >= deadline or waits_ended():
                     return
                 timeout = min(self.settings.long_poll_timeout, deadline - time.monotonic())
                 if writer is None or offset != info.tail:

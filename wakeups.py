@@ -8,12 +8,17 @@ slot share one event and one timer: a wait costs a dict lookup, and a reader wak
 most one slot after its deadline, which no long-poll or SSE client can tell apart.
 `Alarms` does the same for callbacks: the SSE fan-out (fanout.py) hands its parked
 subscribers back at their deadlines without a Timeout each (6 MiB at 10,000).
+
+When the worker stops, `end_waits` wakes every waiter for good: each wait, and every
+wait begun after, raises `WaitsEnded`, so that long-polls and SSE responses answer with
+what they have at once instead of holding the stop until their deadlines.
 """
 
 from __future__ import annotations
 
 import math
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -23,24 +28,31 @@ from gevent.hub import get_hub
 SLOT_SECONDS = 0.05
 
 
+class WaitsEnded(Exception):
+    """The worker is stopping (`end_waits`): a live read answers with what it has now."""
+
+
 class Wakeups:
     """The waiters of one stream, in slots by deadline; `notify` wakes them all."""
 
     def __init__(self) -> None:
         self._slots: dict[int, tuple[Event, Any]] = {}  # slot number -> event, its timer
+        _every_wakeups.add(self)
 
     def wait(self, deadline: float) -> None:
         """Block until `notify`, or about `deadline` (time.monotonic()); may return early.
 
         A timer started while the loop's clock lags (the loop reads it once per turn,
         and one turn can wake thousands of readers) fires early: callers re-check
-        their own deadline and wait again.
+        their own deadline and wait again. Raises WaitsEnded once `end_waits` was called.
         """
+        _raise_if_ended()
         slot = slot_of(deadline)
         waiting = self._slots.get(slot)
         if waiting is None:
             waiting = self._slots[slot] = (Event(), start_timer(slot, self._ring))
         waiting[0].wait()
+        _raise_if_ended()
 
     def _ring(self, slot: int) -> None:
         waiting = self._slots.pop(slot, None)
@@ -52,6 +64,29 @@ class Wakeups:
         slots, self._slots = self._slots, {}
         for waiting in slots.values():
             _wake(*waiting)
+
+
+_every_wakeups: weakref.WeakSet[Wakeups] = weakref.WeakSet()
+_waits_ended = False
+
+
+def end_waits() -> None:
+    """Wake every waiter of this process, and end every wait from now on at once: the
+    worker is stopping. A live read waits only to answer with more data, which its
+    client can as well ask the next server for; waiting, it would hold the stop."""
+    global _waits_ended
+    _waits_ended = True
+    for wakeups in list(_every_wakeups):
+        wakeups.notify()
+
+
+def waits_ended() -> bool:
+    return _waits_ended
+
+
+def _raise_if_ended() -> None:
+    if _waits_ended:
+        raise WaitsEnded("the worker is stopping")
 
 
 def _wake(event: Event, timer: Any) -> None:

@@ -30,6 +30,12 @@ closes after the answer. Without them, a client that sent a head and then nothin
 stopped reading its answer, held its connection and greenlet for good, and a few
 thousand such took every connection the worker had.
 
+And it stops at once: on SIGTERM it stops accepting, closes idle kept-alive
+connections, ends every live read with what it has (wakeups.py), lets the requests in
+flight finish, and exits when the last connection has gone, where gunicorn's worker
+waited a second to look, then for every long-poll and SSE response to reach its own
+deadline: a minute for SSE, during which nobody could connect.
+
 Before every write, gevent's `sendall` asks the kernel for the socket's send-buffer
 size (to size its chunks) and reads the clock (for its timeout), then sends. An SSE
 fan-out writes one small event to each of thousands of sockets per message, so that
@@ -59,10 +65,11 @@ import functools
 import ipaddress
 import re
 import socket
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gevent
 import orjson
@@ -73,6 +80,10 @@ from gunicorn.workers.ggevent import GeventPyWSGIWorker, PyWSGIHandler, PyWSGISe
 from decimals import DECIMAL_PATTERN
 from fanout import DIRECT_WRITER_ENVIRON_KEY
 from settings import Settings
+from wakeups import end_waits
+
+if TYPE_CHECKING:
+    from greenlet import greenlet
 
 READ_BUFFER_BYTES = 1024
 # A header line (RFC 9110 5.1, 5.5): a token, a colon, a value without control
@@ -329,6 +340,8 @@ class PicoMQHandler(PyWSGIHandler):
     body_deadline: Any = None  # a timer, made for the connection's first body
     # A connection's end is no error of the server's: pywsgi logs none of these.
     ignored_socket_errors = (*PyWSGIHandler.ignored_socket_errors, errno.ETIMEDOUT)
+    # The greenlets of the connections waiting for their next request: a stop ends them.
+    waiting_for_request: set[greenlet] = set()
 
     def __init__(self, sock: gevent_socket.socket, address: Any, server: Any) -> None:
         sock.__class__ = EagerSendSocket
@@ -468,14 +481,27 @@ class PicoMQHandler(PyWSGIHandler):
         """The request line, cut short one byte past the limit (read_request refuses it);
         empty, which ends the connection, if none comes within `read_seconds`.
 
-        The deadline runs on through read_request: the whole head must come in time."""
+        The deadline runs on through read_request: the whole head must come in time.
+        Meanwhile the connection is idle: a stop ends it (`end_idle_connections`)."""
         limit = self.limits.request_line_bytes
-        self.head_deadline.again(gevent.getcurrent().throw, HeadTimedOut)
+        current = gevent.getcurrent()
+        self.head_deadline.again(current.throw, HeadTimedOut)
+        self.waiting_for_request.add(current)
         try:
             return self.rfile.readline(limit + 2)[: limit + 1].decode("latin-1")
         except HeadTimedOut:
             self.head_deadline.stop()  # it repeats; the connection ends
             return ""
+        finally:
+            self.waiting_for_request.discard(current)
+
+    @classmethod
+    def end_idle_connections(cls) -> None:
+        """End every connection waiting for its next request, as its head deadline would:
+        an idle kept-alive connection (a proxy keeps several) would hold a stop up to
+        `keepalive` seconds. Run by the event loop, as a timer's callback is."""
+        for waiting in list(cls.waiting_for_request):
+            waiting.throw(HeadTimedOut)
 
     def read_request(self, raw_requestline: str) -> bool:
         try:
@@ -568,6 +594,12 @@ class PicoMQHandler(PyWSGIHandler):
 class PicoMQServer(PyWSGIServer):
     """pywsgi's server without its reverse DNS lookup of the bound address at start."""
 
+    serving: list[PicoMQServer] = []  # the worker's, one per listening socket
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.serving.append(self)
+
     def update_environ(self) -> None:
         address = self.address
         host, port = address[:2] if isinstance(address, tuple) else ("", "")
@@ -595,3 +627,28 @@ class PicoMQWorker(GeventPyWSGIWorker):
         PicoMQHandler.body_seconds = settings.body_timeout
         EagerSendSocket.write_seconds = settings.write_timeout
         super().init_process()
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        """SIGTERM: stop now, not at gunicorn's next look (its loop sleeps a second)."""
+        super().handle_exit(sig, frame)
+        gevent.spawn(self.stop_serving)  # out of the signal handler, as gunicorn's quit
+
+    def stop_serving(self) -> None:
+        """Stop accepting, end idle connections and live reads, and exit once every
+        connection has gone: within about a second where gunicorn's stop waited for
+        every long-poll and SSE response to reach its own deadline (a minute for SSE).
+
+        Live reads answer at once with what they have (wakeups.py's `end_waits`: SSE a
+        last control event, long-poll its 204 or data); appends in flight finish and are
+        answered, with `Connection: close` as every answer from now on. gunicorn's own
+        loop stays the backstop: past graceful_timeout it ends whatever is left.
+        """
+        for server in PicoMQServer.serving:
+            server.close()
+        gevent.get_hub().loop.run_callback(PicoMQHandler.end_idle_connections)
+        end_waits()
+        deadline = time.monotonic() + self.cfg.graceful_timeout
+        for server in PicoMQServer.serving:
+            if not server.pool.join(timeout=max(0.0, deadline - time.monotonic())):
+                return
+        sys.exit(0)  # as gunicorn's quick quit leaves a gevent worker

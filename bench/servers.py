@@ -141,8 +141,8 @@ def served_as_picomq(
         f"{HOST}:{port}",
         app,
     ]
-    # SIGQUIT is gunicorn's quick shutdown: a graceful one would wait for live reads the
-    # bench has already abandoned (up to the long-poll timeout). Its data is thrown away.
+    # SIGQUIT is gunicorn's quick shutdown: the bench has abandoned its clients, and the
+    # data is thrown away. bench/restart.py measures the graceful one (SIGTERM).
     return Server(
         name=name,
         command=pinned(core, command),

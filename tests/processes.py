@@ -58,8 +58,8 @@ class ManagedProcess:
     port: int
     readiness_path: str = "/"
     stop_signal: signal.Signals = signal.SIGTERM
-    # Live reads end themselves (long-poll timeout, SSE max duration), so a graceful
-    # stop is quick; past this deadline the process group is killed.
+    # A graceful stop ends live reads at once (worker.py), so it is quick; past this
+    # deadline the process group is killed.
     stop_deadline_seconds: float = 30.0
     process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 

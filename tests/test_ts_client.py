@@ -24,7 +24,7 @@ DRIVER_TIMEOUT_SECONDS = 120
         ("long-poll", "crash"),
         # 0.2.7's SSE reader dies with an unhandled "TypeError: terminated" when a response
         # is cut mid-body (a crash, a proxy): a client gap. A graceful restart ends every
-        # SSE response cleanly within PICOMQ_SSE_MAX_DURATION, and that the client follows.
+        # SSE response cleanly at once, with a last control event, and that it follows.
         ("sse", "graceful"),
     ],
 )
@@ -40,7 +40,7 @@ def test_typescript_client_journey(
             server.kill9()  # under the client's open live read
             server.start()
         else:
-            server.restart()  # SIGTERM: open live reads end by their deadline, then it stops
+            server.restart()  # SIGTERM: open live reads end at once, whole, then it stops
 
     returncode, output, errors = drive_through_restart(
         command, stop_and_start, DRIVER_TIMEOUT_SECONDS

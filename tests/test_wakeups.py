@@ -3,7 +3,8 @@
 What the store relies on: a change wakes every waiter whatever its deadline, a deadline
 wakes its own waiters and nobody else's, and a waiter that comes after a change waits
 for the next one. What the SSE fan-out relies on: an alarm runs once its deadline has
-passed, and not before a later alarm's.
+passed, and not before a later alarm's. What a stopping worker relies on: ending the
+waits wakes every waiter of every stream at once, and refuses every wait after.
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ from __future__ import annotations
 import time
 
 import gevent
+import pytest
 
-from wakeups import SLOT_SECONDS, Alarms, Wakeups
+import wakeups as wakeups_module
+from wakeups import SLOT_SECONDS, Alarms, WaitsEnded, Wakeups, end_waits
 
 FAR_SECONDS = 30.0
 JOIN_SECONDS = 5.0
@@ -81,3 +84,27 @@ def test_alarms_run_each_callback_once_when_its_deadline_comes() -> None:
         gevent.sleep(SLOT_SECONDS)
     gevent.sleep(2 * SLOT_SECONDS)
     assert rang == ["soon", "soon, too", "next"]
+
+
+def how_it_ends(wakeups: Wakeups, deadline: float) -> str:
+    try:
+        wakeups.wait(deadline)
+    except WaitsEnded:
+        return "ended"
+    return "woken"
+
+
+def test_ending_the_waits_wakes_every_waiter_and_ends_every_later_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(wakeups_module, "_waits_ended", False)  # back as it was afterwards
+    streams = [Wakeups(), Wakeups()]
+    deadline = time.monotonic() + FAR_SECONDS
+    waiters = [gevent.spawn(how_it_ends, wakeups, deadline) for wakeups in streams * 3]
+    gevent.sleep(0)
+    assert not any(waiter.ready() for waiter in waiters)
+    end_waits()
+    gevent.joinall(waiters, timeout=JOIN_SECONDS)
+    assert [waiter.value for waiter in waiters] == ["ended"] * len(waiters)
+    with pytest.raises(WaitsEnded):
+        Wakeups().wait(deadline)
