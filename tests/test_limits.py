@@ -765,7 +765,7 @@ def test_a_json_fork_inside_a_message_is_400(json_stream: str, server: Server) -
         "Stream-Next-Offset"
     ]
     requests.post(json_stream, data=b'[{"b": 2}]', headers=JSON)
-    inside = offset[:-1] + str(int(offset[-1]) + 2)
+    inside = f"{offset[:17]}{int(offset[17:]) + 2:016d}"  # two bytes into the second message
     source = json_stream.split(server.url, 1)[1]
     for fork_offset, status in ((inside, 400), (offset, 201)):
         fork = server.stream_url(f"json-fork-{uuid.uuid4().hex[:12]}")
