@@ -30,26 +30,26 @@ from objectstore import StorageUnavailable
 from segments import CorruptSegment, SegmentIndex, encode_segment, positions
 
 if TYPE_CHECKING:
-    from storage import StreamStore, _Stream
+    from storage import StreamStore
+    from streams import Stream
 
 # Housekeeping of the store's objects: its warnings carry the store's logger name.
 log = logging.getLogger("picomq.storage")
 
 
-def maybe_compact(store: StreamStore, stream: _Stream) -> None:
+def maybe_compact(store: StreamStore, stream: Stream) -> None:
     """Compact in the background once enough segments are unpacked, one job at a time."""
-    if stream.unpacked > store.settings.compact_after and not stream.housekeeping:
-        stream.housekeeping = True
+    if stream.unpacked > store.settings.compact_after and stream.begin_housekeeping():
         gevent.spawn(_compact, store, stream)
 
 
-def _compact(store: StreamStore, stream: _Stream) -> None:
+def _compact(store: StreamStore, stream: Stream) -> None:
     """Merge a run of small segments into one pack; storage errors only postpone it."""
     settings = store.settings
     try:
         run = _unpacked_run(stream, settings.compact_max_segments, settings.compact_max_bytes)
         if len(run) < 2:
-            stream.unpacked = 0  # nothing small to pack: look again after compact_after more
+            stream.nothing_to_pack()
             return
         headers = [store.read_segment(stream, start) for start in run]
         payload = b"".join(
@@ -65,12 +65,12 @@ def _compact(store: StreamStore, stream: _Stream) -> None:
         except FileExistsError:
             pass
         originals = [stream.segment_key(start) for start in run]
-        _adopt_pack(stream, run, pack)
+        stream.adopt_pack(run, pack)
         store.delete_later(originals)
     except (StorageUnavailable, FileNotFoundError, CorruptSegment) as error:
         log.warning("compaction of %s postponed: %s", stream.config.path, error)
     finally:
-        stream.housekeeping = False
+        stream.end_housekeeping()
 
 
 def _pack_ends(start: int, indexes: list[SegmentIndex]) -> tuple[array, array]:
@@ -88,7 +88,7 @@ def _pack_ends(start: int, indexes: list[SegmentIndex]) -> tuple[array, array]:
     return appends, messages
 
 
-def _unpacked_run(stream: _Stream, max_segments: int, max_bytes: int) -> list[int]:
+def _unpacked_run(stream: Stream, max_segments: int, max_bytes: int) -> list[int]:
     """Consecutive small unpacked segments before the tail segment, oldest first.
 
     A segment's size is the distance to the next start, so no header is read to choose.
@@ -107,12 +107,3 @@ def _unpacked_run(stream: _Stream, max_segments: int, max_bytes: int) -> list[in
         if len(run) == max_segments:
             break
     return run
-
-
-def _adopt_pack(stream: _Stream, run: list[int], pack: str) -> None:
-    """Swap the pack in by value: the index may have been re-listed meanwhile."""
-    replaced = set(run[1:])
-    stream.starts = [start for start in stream.starts if start not in replaced]
-    stream.add_start(run[0])
-    stream.keys[run[0]] = pack
-    stream.unpacked = len(stream.starts) - len(stream.keys)

@@ -32,7 +32,8 @@ import gevent
 from gevent.event import Event
 
 from objectstore import StorageUnavailable
-from storage import StoreError, StreamInfo, StreamStore
+from storage import StreamStore
+from streams import StoreError, StreamInfo
 from wakeups import Alarms, WaitsEnded
 
 log = logging.getLogger("picomq.fanout")

@@ -51,7 +51,7 @@ from picomq import (
     parse_stream_path,
     read_up_to,
 )
-from storage import AppendRequest, AppendResult
+from streams import AppendRequest, AppendResult
 
 
 class AnswerWriter(Protocol):

@@ -29,16 +29,11 @@ from metrics import (
     metrics_view,
     release_live_connection,
 )
+from objectstore import StorageUnavailable
 from picomq import BadRequest, error_response, format_offset, parse_number
 from settings import Settings
-from storage import (
-    StorageUnavailable,
-    StoreError,
-    StreamGone,
-    StreamInfo,
-    StreamNotFound,
-    StreamStore,
-)
+from storage import StreamStore
+from streams import StoreError, StreamGone, StreamInfo, StreamNotFound
 
 log = logging.getLogger("picomq.ops")
 

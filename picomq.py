@@ -30,9 +30,11 @@ from fanout import DIRECT_WRITER_ENVIRON_KEY, DirectWriter, Fanout, Follower
 from limits import LiveConnections, json_array_longer_than, json_nests_deeper_than
 from logs import REQUEST_ID_HEADER
 from metrics import MeasuredObjectStore
-from objectstore import ObjectCache
+from objectstore import ObjectCache, StorageUnavailable
 from settings import Settings
-from storage import (
+from storage import StreamStore
+from streamlocks import StreamLocks
+from streams import (
     MAX_PRODUCER_ID_BYTES,
     MAX_STREAM_SEQ_BYTES,
     AppendRequest,
@@ -45,7 +47,6 @@ from storage import (
     ProducerFenced,
     ProducerGap,
     ReadResult,
-    StorageUnavailable,
     StoreError,
     StoreSettings,
     StreamClosed,
@@ -53,10 +54,8 @@ from storage import (
     StreamGone,
     StreamInfo,
     StreamNotFound,
-    StreamStore,
     is_json_type,
 )
-from streamlocks import StreamLocks
 from wakeups import WaitsEnded, waits_ended
 
 log = logging.getLogger("picomq")

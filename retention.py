@@ -16,23 +16,23 @@ The last piece, with the stream's state (closed flag, producers), always stays.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import TYPE_CHECKING
-
-import gevent
 
 from objectstore import StorageUnavailable
 from segments import CorruptSegment
 
 if TYPE_CHECKING:
-    from storage import StreamStore, _Stream
+    from storage import StreamStore
+    from streams import Stream
 
 # Housekeeping of the store's objects: its warnings carry the store's logger name.
 log = logging.getLogger("picomq.storage")
 
 
-def schedule_trim(store: StreamStore, stream: _Stream) -> None:
+def schedule_trim(store: StreamStore, stream: Stream) -> None:
     """Check retention soon, once: after appends, on load, and when data comes of age.
 
     Only streams with a retention setting and data past it get a timer, so idle
@@ -41,35 +41,31 @@ def schedule_trim(store: StreamStore, stream: _Stream) -> None:
     config = stream.config
     if config.retention_age is None and config.retention_bytes is None:
         return
-    if len(stream.starts) < 2 or stream.trim_timer is not None:
-        return
-    stream.trim_timer = gevent.spawn_later(store.settings.index_max_age / 10, _trim, store, stream)
+    if len(stream.starts) >= 2:
+        stream.trim_later(
+            store.settings.index_max_age / 10, functools.partial(_trim, store, stream)
+        )
 
 
-def _trim(store: StreamStore, stream: _Stream) -> None:
+def _trim(store: StreamStore, stream: Stream) -> None:
     """Publish a new earliest offset, then delete the pieces below it after the grace."""
-    stream.trim_timer = None
-    if stream.housekeeping:  # compaction is rewriting the index: look again soon
+    if not stream.begin_housekeeping():  # compaction is rewriting the index: look again soon
         schedule_trim(store, stream)
         return
-    stream.housekeeping = True
     try:
         cut, wake_at = _trim_point(store, stream)
         if cut > stream.earliest and store.publish_trim(stream, cut):
-            gone = [stream.piece_key(start) for start in stream.starts if start < cut]
-            stream.starts = [start for start in stream.starts if start >= cut]
-            stream.earliest = cut
-            store.delete_later(gone)
-        if wake_at is not None and stream.trim_timer is None:
+            store.delete_later(stream.trim(cut))
+        if wake_at is not None:
             delay = max(wake_at - time.time(), store.settings.index_max_age / 10)
-            stream.trim_timer = gevent.spawn_later(delay, _trim, store, stream)
+            stream.trim_later(delay, functools.partial(_trim, store, stream))
     except (StorageUnavailable, FileNotFoundError, CorruptSegment) as error:
         log.warning("retention of %s postponed: %s", stream.config.path, error)
     finally:
-        stream.housekeeping = False
+        stream.end_housekeeping()
 
 
-def _trim_point(store: StreamStore, stream: _Stream) -> tuple[int, float | None]:
+def _trim_point(store: StreamStore, stream: Stream) -> tuple[int, float | None]:
     """The first offset to keep, and when to look again (None: nothing will age out)."""
     config, now = stream.config, time.time()
     fence_age = 2 * store.settings.index_max_age

@@ -38,8 +38,6 @@ packs, retention.py trims the head of streams that keep data by age or size.
 from __future__ import annotations
 
 import bisect
-import functools
-import hashlib
 import itertools
 import logging
 import operator
@@ -48,16 +46,14 @@ import random
 import time
 import uuid
 from array import array
-from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import TYPE_CHECKING
-from urllib.parse import quote, unquote
+from urllib.parse import unquote
 
 import gevent
-import orjson
 from gevent.event import AsyncResult, Event
 
 import compaction
@@ -77,40 +73,55 @@ from segments import (
     positions,
     verify_payload,
 )
-from wakeups import Wakeups
+from streams import (
+    LEGACY_HASHED_PREFIX,
+    MAX_FORK_DEPTH,
+    PRODUCER_ENTRY_BYTES,
+    AppendRequest,
+    AppendResult,
+    CreateRequest,
+    ForkOrigin,
+    Handles,
+    InvalidRequest,
+    OffsetTrimmed,
+    Payload,
+    Pending,
+    Producer,
+    ProducerFenced,
+    ProducerGap,
+    ReadResult,
+    StoreError,
+    StoreSettings,
+    Stream,
+    StreamClosed,
+    StreamConfig,
+    StreamConflict,
+    StreamGone,
+    StreamInfo,
+    StreamNotFound,
+    is_hashed_key,
+    legacy_stream_key,
+    media_type,
+    meta_key,
+    read_config,
+    segment_name,
+    stream_key,
+)
 
 if TYPE_CHECKING:
-    from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
-
     from streamlocks import StreamLocks
-
-__all__ = ["StorageUnavailable"]
 
 log = logging.getLogger("picomq.storage")
 
-OFFSET_DIGITS = 20
-MAX_KEY_LENGTH = 200
-STREAM_KEYS_REMEMBERED = 1024  # a request line caps a path at 8 KiB: 8 MiB at most
-HASHED_PREFIX = "%h"  # a stream key that no percent-encoded path can be (`stream_key`)
-LEGACY_HASHED_PREFIX = "~"
 CONTENTION_LIMIT_SECONDS = 5.0
 # A batch is committed as one segment, whose positions are u32 (segments.py): at most
 # this much data, or one append if larger.
 MAX_BATCH_BYTES = 64 * 1024 * 1024
-# Forks of forks load recursively; a chain deeper than this is refused (400 at create).
-MAX_FORK_DEPTH = 32
-# Idempotent producers (see `_snapshot_producers_if_due` and `_forget_producers`); the
-# HTTP layer refuses longer ids and Stream-Seq values with 400.
-MAX_PRODUCER_ID_BYTES = 256
-MAX_STREAM_SEQ_BYTES = 256
+# Idempotent producers (see `_snapshot_producers_if_due` and `_forget_producers`).
 MAX_PRODUCERS = 1000
 PRODUCER_IDLE_SECONDS = 7 * 24 * 3600  # as the reference server and Kafka's default
-PRODUCER_ENTRY_BYTES = MAX_PRODUCER_ID_BYTES + 64  # an upper bound, encoded or in memory
 PRODUCER_CHANGES_BYTES = 16 * 1024
 ENCODED_ENTRY_BYTES = 40  # an entry's quotes, brackets and numbers, besides its id
-# What a stream handle holds besides its producers: fields, and per piece its start.
-HANDLE_BYTES = 2048
-PIECE_BYTES = 100
 INTERRUPTED_APPEND = "the append was interrupted; it may have been written"
 # A fork being created marks its source, then writes its meta.json within
 # FORK_SETUP_SECONDS or gives up. Until a marker is FORK_MARKER_SECONDS old, a delete
@@ -119,364 +130,6 @@ INTERRUPTED_APPEND = "the append was interrupted; it may have been written"
 # same way (`publish_trim`).
 FORK_SETUP_SECONDS = 10.0
 FORK_MARKER_SECONDS = 60.0
-
-
-# -- errors: each maps to one protocol outcome --------------------------------------
-
-
-class StoreError(Exception):
-    """Base of the outcomes the HTTP layer turns into status codes."""
-
-
-class StreamNotFound(StoreError):
-    pass
-
-
-class StreamGone(StoreError):
-    """Soft-deleted (forks still read it) or expired while forks live."""
-
-
-class StreamConflict(StoreError):
-    """The request is valid but disagrees with the stream (config, content type, Stream-Seq)."""
-
-
-class InvalidRequest(StoreError):
-    pass
-
-
-class OffsetTrimmed(StoreError):
-    """The offset is before the earliest data retention kept (410, with where to resume)."""
-
-    def __init__(self, earliest: int) -> None:
-        super().__init__("offset is before the earliest retained data")
-        self.earliest = earliest
-
-
-class StreamClosed(StoreError):
-    def __init__(self, tail: int) -> None:
-        super().__init__("stream is closed")
-        self.tail = tail
-
-
-class ProducerFenced(StoreError):
-    def __init__(self, current_epoch: int) -> None:
-        super().__init__("stale producer epoch")
-        self.current_epoch = current_epoch
-
-
-class ProducerGap(StoreError):
-    def __init__(self, expected: int, received: int) -> None:
-        super().__init__("producer sequence gap")
-        self.expected = expected
-        self.received = received
-
-
-# -- requests and results ----------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Payload:
-    """Bytes to append; for JSON streams, already split into serialised messages."""
-
-    data: bytes
-    message_lengths: tuple[int, ...] = ()  # JSON: each message's, without its comma
-
-    @staticmethod
-    def from_messages(messages: Sequence[Buffer], array: bytes | None = None) -> Payload:
-        """Each message followed by a comma; batches of 1,000 pass here, so no Python loop.
-
-        Messages may be any buffer (bytes, or views of a request body), never copied twice.
-        Lengths, not ends: where a message ends is known once the commit places the
-        payload, and working it out there alone makes one pass over 1,000 integers, not two.
-        When `array` (the JSON text the messages came from) holds them with nothing
-        between but commas, as JSON encoders write, its inside is the payload already:
-        one copy instead of a join that visits every message.
-        """
-        lengths = tuple(map(len, messages))
-        if array is not None and messages:
-            first, last = array.index(b"[") + 1, array.rindex(b"]")
-            if sum(lengths) + len(lengths) - 1 == last - first:
-                return Payload(b"".join((memoryview(array)[first:last], b",")), lengths)
-        data = b",".join([*messages, b""]) if messages else b""
-        return Payload(data, lengths)
-
-
-@dataclass(frozen=True)
-class Producer:
-    id: str
-    epoch: int
-    seq: int
-
-
-@dataclass(frozen=True)
-class CreateRequest:
-    content_type: str
-    ttl: int | None = None
-    expires_at: datetime | None = None
-    closed: bool = False
-    payload: Payload | None = None
-    fork_source: str | None = None
-    fork_offset: int | None = None
-    fork_sub_offset: int = 0
-    retention_age: int | None = None
-    retention_bytes: int | None = None
-
-
-@dataclass(frozen=True)
-class AppendRequest:
-    content_type: str | None
-    payload: Payload | None
-    close: bool = False
-    producer: Producer | None = None
-    stream_seq: str | None = None
-
-
-@dataclass(frozen=True)
-class StreamInfo:
-    path: str
-    incarnation: str
-    content_type: str
-    tail: int
-    closed: bool
-    ttl: int | None
-    expires_at: str | None
-    earliest: int = 0
-    retention_age: int | None = None
-    retention_bytes: int | None = None
-
-
-@dataclass(frozen=True)
-class AppendResult:
-    info: StreamInfo
-    duplicate: bool = False
-    producer: Producer | None = None
-
-
-@dataclass(frozen=True)
-class ReadResult:
-    """A range [start, end) of a stream; `chunks` yields the body lazily (JSON: an array)."""
-
-    info: StreamInfo
-    start: int
-    end: int
-    chunks: Iterator[bytes]
-    up_to_date: bool
-
-
-@dataclass(frozen=True)
-class StoreSettings:
-    max_read_bytes: int = 4 * 1024 * 1024
-    poll_interval: float = 0.05
-    watched_poll_interval: float = 1.0  # while a watch says when other processes add segments
-    recheck_interval: float = 0.0
-    linger_fraction: float = 0.0  # wait this share of the last write before the next batch
-    cached_streams: int = 10_000
-    cache_bytes: int = 64 * 1024 * 1024
-    index_cache_bytes: int = 32 * 1024 * 1024  # segment indexes (their message ends)
-    handle_cache_bytes: int = 32 * 1024 * 1024  # stream handles (pieces, producer tables)
-    compact_after: int = 64
-    compact_max_segments: int = 1024
-    # A pack holds at most this much data; a segment of a sixteenth of it or more is
-    # left as it is: copying it would cost far more than the one request it saves.
-    compact_max_bytes: int = 4 * 1024 * 1024
-    index_max_age: float = 60.0
-    sweep_interval: float = 0.0  # seconds between sweeps for expired streams; 0: none
-    retention_age: int | None = None
-    retention_bytes: int | None = None
-
-    @property
-    def delete_grace(self) -> float:
-        """How long compacted or trimmed objects outlive the index entries naming them."""
-        return 10 * self.index_max_age
-
-
-# -- stream configuration (meta.json) ----------------------------------------------
-
-
-@dataclass(frozen=True)
-class ForkOrigin:
-    source: str
-    source_incarnation: str
-    requested_offset: int | None
-    sub_offset: int
-    point: int
-    earliest: int = 0  # the source's retention had trimmed below this when forked
-
-
-@dataclass(frozen=True)
-class StreamConfig:
-    path: str
-    incarnation: str
-    content_type: str
-    ttl: int | None
-    expires_at: str | None
-    created_at: float
-    fork: ForkOrigin | None
-    retention_age: int | None = None
-    retention_bytes: int | None = None
-
-    def to_json(self) -> bytes:
-        fields = dict(self.__dict__)
-        fields["fork"] = self.fork.__dict__ if self.fork else None
-        return orjson.dumps(fields)
-
-    @staticmethod
-    def from_json(data: bytes) -> StreamConfig:
-        fields = orjson.loads(data)
-        fork = fields.pop("fork")
-        return StreamConfig(**fields, fork=ForkOrigin(**fork) if fork else None)
-
-
-def is_json_type(content_type: str) -> bool:
-    return media_type(content_type) == "application/json"
-
-
-def media_type(content_type: str) -> str:
-    return content_type.split(";", 1)[0].strip().lower()
-
-
-@functools.lru_cache(maxsize=STREAM_KEYS_REMEMBERED)
-def stream_key(path: str) -> str:
-    """One safe file name per stream path: percent-encoded, or hashed when too long.
-
-    Percent-encoding writes only letters, digits, `-_.~` and `%` followed by two
-    upper-case hex digits, so no path encodes to a name that starts with HASHED_PREFIX
-    (`%` and a letter that is not hex): the two kinds cannot collide. Remembered: an
-    append encodes its stream's name three times (its handle's check and keys), and
-    `quote` was 3 % of a single append's CPU time (py-spy, appends-1).
-    """
-    encoded = quote(path, safe="-_.")
-    if len(encoded) <= MAX_KEY_LENGTH and encoded not in (".", ".."):
-        return encoded
-    return HASHED_PREFIX + hashlib.sha256(path.encode()).hexdigest()
-
-
-def legacy_stream_key(path: str) -> str | None:
-    """Where releases before 2026-12-06 kept a path too long to encode (None: not one).
-
-    They named it `~<sha256>`, which the percent-encoding of the short path
-    `~<sha256>` also gives: such a folder is the long path's only if its meta.json says
-    so (`StreamStore._locate`).
-    """
-    key = stream_key(path)
-    return LEGACY_HASHED_PREFIX + key[len(HASHED_PREFIX) :] if is_hashed_key(key) else None
-
-
-def is_hashed_key(key: str) -> bool:
-    return key.startswith(HASHED_PREFIX)
-
-
-def segment_name(position: int) -> str:
-    return f"{position:0{OFFSET_DIGITS}d}"
-
-
-# -- the in-memory handle of one stream -------------------------------------------
-
-
-@dataclass(eq=False)
-class _Pending:
-    request: AppendRequest
-    result: AsyncResult = field(default_factory=AsyncResult)
-
-
-@dataclass(eq=False)
-class _Stream:
-    config: StreamConfig
-    key: str  # its folder under streams/ (`stream_key`, or `legacy_stream_key`)
-    identity: object
-    state: StreamState
-    base: int
-    source: _Stream | None
-    starts: list[int] = field(default_factory=list)
-    keys: dict[int, str] = field(default_factory=dict)
-    indexed_at: float = 0.0
-    unpacked: int = 0
-    housekeeping: bool = False  # compaction or retention is at work (one at a time)
-    earliest: int = 0
-    trim_timer: gevent.Greenlet | None = None
-    write_seconds: float = 0.0  # how long the last segment write took
-    wakeups: Wakeups = field(default_factory=Wakeups)
-    pending: list[_Pending] = field(default_factory=list)
-    writing: bool = False
-    creating: int | None = None  # the start of the segment our writer is creating
-    waiters: int = 0
-    polling: bool = False
-    last_access: float = 0.0
-    touched_at: float = 0.0
-    checked_at: float = 0.0
-    refreshed_at: float = 0.0  # when the tail was last known to be the true one
-    last_info: StreamInfo | None = None
-    gone: bool = False
-    erased: bool = False  # deleted through this handle: its waiters must not wait on
-    depth: int = 0  # how many forks lie between it and a stream that is no fork
-    counted_bytes: int = 0  # its footprint when the handle cache last counted it
-
-    @functools.cached_property
-    def prefix(self) -> str:
-        return f"streams/{self.key}/{self.config.incarnation}"
-
-    @property
-    def meta_key(self) -> str:
-        return _meta_key(self.key)
-
-    @property
-    def is_json(self) -> bool:
-        return is_json_type(self.config.content_type)
-
-    def segment_key(self, position: int) -> str:
-        return f"{self.prefix}/seg/{segment_name(position)}"
-
-    def pack_key(self, start: int, end: int) -> str:
-        return f"{self.prefix}/pack/{segment_name(start)}-{segment_name(end)}"
-
-    def trim_key(self, earliest: int) -> str:
-        return f"{self.prefix}/trim/{segment_name(earliest)}"
-
-    def piece_key(self, start: int) -> str:
-        """The object holding the data at `start`: a pack once compacted, else the segment."""
-        return self.keys.get(start) or self.segment_key(start)
-
-    def footprint(self) -> int:
-        """About the bytes this handle holds: it grows with its pieces and producers."""
-        pieces = len(self.starts) + len(self.keys)
-        producers = len(self.state.producers)
-        return HANDLE_BYTES + PIECE_BYTES * pieces + PRODUCER_ENTRY_BYTES * producers
-
-    def add_start(self, start: int) -> None:
-        """Index a segment once, whether our writer or a refresh saw it first."""
-        position = bisect.bisect_left(self.starts, start)
-        if position == len(self.starts) or self.starts[position] != start:
-            self.starts.insert(position, start)
-            self.unpacked += 1
-
-    def info(self) -> StreamInfo:
-        """Built once per change: every live reader of the stream asks after every event."""
-        info, state = self.last_info, self.state
-        if (
-            info is not None
-            and info.tail == state.tail
-            and info.closed == state.closed
-            and info.earliest == self.earliest
-        ):
-            return info
-        config = self.config
-        self.last_info = StreamInfo(
-            path=config.path,
-            incarnation=config.incarnation,
-            content_type=config.content_type,
-            tail=state.tail,
-            closed=state.closed,
-            ttl=config.ttl,
-            expires_at=config.expires_at,
-            earliest=self.earliest,
-            retention_age=config.retention_age,
-            retention_bytes=config.retention_bytes,
-        )
-        return self.last_info
-
-    def notify(self) -> None:
-        """Wake every live reader."""
-        self.wakeups.notify()
 
 
 @dataclass
@@ -498,70 +151,7 @@ class _Plan:
         self.start = self.state.tail
 
 
-class _Handles:
-    """The stream handles a process keeps, least recently used first, and their size.
-
-    A handle's size changes as its stream grows (`_Stream.footprint`): it is counted
-    again after commits (`recount`), so the cache is bounded in bytes as well as in
-    handles. Handles with waiters or a writer are never forgotten: another handle of
-    the same stream would not see their commits.
-    """
-
-    def __init__(self) -> None:
-        self._handles: OrderedDict[str, _Stream] = OrderedDict()
-        self.size_bytes = 0
-
-    def __len__(self) -> int:
-        return len(self._handles)
-
-    def __getitem__(self, path: str) -> _Stream:
-        return self._handles[path]
-
-    def get(self, path: str) -> _Stream | None:
-        return self._handles.get(path)
-
-    def move_to_end(self, path: str) -> None:
-        self._handles.move_to_end(path)
-
-    def put(self, path: str, stream: _Stream) -> None:
-        self.discard(path)
-        self._handles[path] = stream
-        stream.counted_bytes = 0
-        self.recount(stream)
-
-    def discard(self, path: str, stream: _Stream | None = None) -> None:
-        """Forget the handle of `path` (only if it is `stream`, when given)."""
-        held = self._handles.get(path)
-        if held is not None and (stream is None or held is stream):
-            del self._handles[path]
-            self.size_bytes -= held.counted_bytes
-
-    def recount(self, stream: _Stream) -> int:
-        """Count `stream`'s footprint anew, if it is held; the cache's size in bytes."""
-        if self._handles.get(stream.config.path) is stream:
-            footprint = stream.footprint()
-            self.size_bytes += footprint - stream.counted_bytes
-            stream.counted_bytes = footprint
-        return self.size_bytes
-
-    def shrink(self, most_handles: int, most_bytes: int) -> None:
-        while len(self._handles) > most_handles or self.size_bytes > most_bytes:
-            oldest_path, oldest = next(iter(self._handles.items()))
-            if oldest.waiters or oldest.writing:
-                self._handles.move_to_end(oldest_path)
-                return
-            self.discard(oldest_path)
-
-
-def _raise_if_retired(stream: _Stream) -> None:
-    """What a handle deleted (410 while forks read it, else 404) answers from now on."""
-    if stream.gone:
-        raise StreamGone(f"stream {stream.config.path} was deleted")
-    if stream.erased:
-        raise StreamNotFound(f"stream {stream.config.path} was deleted")
-
-
-def _take_batch(pending: list[_Pending]) -> tuple[list[_Pending], list[_Pending]]:
+def _take_batch(pending: list[Pending]) -> tuple[list[Pending], list[Pending]]:
     """The appends of the next segment (up to MAX_BATCH_BYTES, one at least), and the rest."""
     size = 0
     for taken, waiting in enumerate(pending):
@@ -572,21 +162,10 @@ def _take_batch(pending: list[_Pending]) -> tuple[list[_Pending], list[_Pending]
     return pending, []
 
 
-def _fail_unanswered(batch: list[_Pending], error: Exception) -> None:
+def _fail_unanswered(batch: list[Pending], error: Exception) -> None:
     for pending in batch:
         if not pending.result.ready():
             pending.result.set_exception(error)
-
-
-def _end_waits(stream: _Stream) -> None:
-    """Wake a deleted stream's waiters for good: no data will come to this handle."""
-    stream.erased = True
-    stream.notify()
-
-
-def _meta_key(key: str) -> str:
-    """The config of the stream kept in folder `key`: the commit point of its create."""
-    return f"streams/{key}/meta.json"
 
 
 class StreamStore:
@@ -609,7 +188,7 @@ class StreamStore:
         self.writer_locks = writer_locks
         self.cache: ObjectCache[bytes] = ObjectCache(self.settings.cache_bytes)
         self.indexes: ObjectCache[SegmentIndex] = ObjectCache(self.settings.index_cache_bytes)
-        self._streams = _Handles()
+        self._streams = Handles()
         self._building: dict[tuple[str, object], AsyncResult] = {}  # handles being loaded
         self.listeners: list[Callable[[StreamInfo], None]] = []
         self.commit_observers: list[Callable[[int], None]] = []  # appends per group commit
@@ -623,7 +202,7 @@ class StreamStore:
         touch: bool = False,
         max_age: float = 0.0,
         incarnation: str | None = None,
-    ) -> _Stream:
+    ) -> Stream:
         """The live handle of a stream, checked against storage (the only truth).
 
         `max_age` lets a caller accept a handle checked that long ago, when it would
@@ -635,7 +214,7 @@ class StreamStore:
         stream = self._checked_handle(path, max_age)
         if incarnation is not None and stream.config.incarnation != incarnation:
             raise StreamNotFound(f"stream {path} was deleted")
-        _raise_if_retired(stream)
+        stream.raise_if_retired()
         if self._expired(stream):
             if self._retire(stream):
                 raise StreamGone(f"stream {path} expired while forks still read it")
@@ -644,7 +223,7 @@ class StreamStore:
             self._touch(stream)
         return self._fresh(stream)
 
-    def _checked_handle(self, path: str, max_age: float = 0.0) -> _Stream:
+    def _checked_handle(self, path: str, max_age: float = 0.0) -> Stream:
         """The cached handle, re-validated against storage once per `recheck_interval`.
 
         On local disk the interval is 0 (a stat is cheap); on object stores a delete
@@ -668,7 +247,7 @@ class StreamStore:
         fresh.checked_at = now
         return fresh
 
-    def _touch(self, stream: _Stream) -> None:
+    def _touch(self, stream: Stream) -> None:
         """Renew a sliding TTL; the marker object is rewritten at most once per interval."""
         now = time.time()
         stream.last_access = now
@@ -677,7 +256,7 @@ class StreamStore:
             stream.touched_at = now
             self.objects.touch(f"{stream.prefix}/touched")
 
-    def _current_handle(self, path: str) -> _Stream:
+    def _current_handle(self, path: str) -> Stream:
         key, identity = self._locate(path)
         if identity is None:
             self._streams.discard(path)
@@ -695,15 +274,15 @@ class StreamStore:
         only when the current key holds nothing: one more stat or HEAD for those alone.
         """
         key = stream_key(path)
-        identity = self.objects.identity(_meta_key(key))
+        identity = self.objects.identity(meta_key(key))
         legacy = legacy_stream_key(path) if identity is None else None
         if legacy is not None:
-            legacy_identity = self.objects.identity(_meta_key(legacy))
+            legacy_identity = self.objects.identity(meta_key(legacy))
             if legacy_identity is not None:
                 return legacy, legacy_identity
         return key, identity
 
-    def _load(self, path: str, key: str, identity: object, depth: int = 0) -> _Stream:
+    def _load(self, path: str, key: str, identity: object, depth: int = 0) -> Stream:
         """Build a stream's handle from storage; concurrent callers share one build.
 
         Listing and reading yield (S3). Without sharing, every request arriving while
@@ -726,8 +305,8 @@ class StreamStore:
         finally:
             del self._building[path, identity]
 
-    def _build(self, path: str, key: str, identity: object, depth: int) -> _Stream:
-        config = self._config_at(key)
+    def _build(self, path: str, key: str, identity: object, depth: int) -> Stream:
+        config = read_config(self.objects, key)
         if config is None or config.path != path:
             # A folder another path's stream holds (an older release's hashed name, or a
             # filesystem that folds case) is no stream of this path.
@@ -738,14 +317,14 @@ class StreamStore:
                 raise StreamConflict(f"stream {path} is forked more than {MAX_FORK_DEPTH} deep")
             source = self._source_handle(path, key, identity, config.fork, depth)
             base = config.fork.point
-        stream = _Stream(config, key, identity, StreamState(tail=base), base, source)
+        stream = Stream(config, key, identity, StreamState(tail=base), base, source)
         stream.depth = source.depth + 1 if source is not None else 0
         stream.last_access = config.created_at
         self._index(stream)
         self._remember(path, stream)
         return stream
 
-    def _index(self, stream: _Stream) -> None:
+    def _index(self, stream: Stream) -> None:
         """List a stream's segments and packs and read its state from the last one.
 
         Built aside and swapped in at once: listing yields to other greenlets (S3), and
@@ -788,7 +367,7 @@ class StreamStore:
             self.delete_later(covered)
         retention.schedule_trim(self, stream)
 
-    def _list_pieces(self, stream: _Stream) -> tuple[list[int], dict[int, str], list[str], int]:
+    def _list_pieces(self, stream: Stream) -> tuple[list[int], dict[int, str], list[str], int]:
         """Starts of the pieces in use, pack keys by start, unused keys, earliest offset.
 
         A pack replaces the segments it covers. Packs that two nodes made over each
@@ -835,17 +414,17 @@ class StreamStore:
                 covered_to = end
         return starts, keys, unused, earliest
 
-    def _raise_if_deleted(self, stream: _Stream, error: Exception) -> None:
+    def _raise_if_deleted(self, stream: Stream, error: Exception) -> None:
         """StreamNotFound if `error` (a piece missing, or missing from a listing) came from
         another process deleting the stream after we opened it."""
         if self._deleted_elsewhere(stream):
             raise StreamNotFound(f"stream {stream.config.path} was deleted") from error
 
-    def _deleted_elsewhere(self, stream: _Stream) -> bool:
+    def _deleted_elsewhere(self, stream: Stream) -> bool:
         """Whether the stream's meta.json is no longer the one this handle loaded."""
         return self.objects.identity(stream.meta_key) != stream.identity
 
-    def _fresh(self, stream: _Stream) -> _Stream:
+    def _fresh(self, stream: Stream) -> Stream:
         """Re-list an index older than `index_max_age`: compaction may have moved its data.
 
         Compaction deletes a segment only `delete_grace` after packing it, far longer
@@ -857,7 +436,7 @@ class StreamStore:
 
     def _source_handle(
         self, path: str, key: str, identity: object, fork: ForkOrigin, depth: int
-    ) -> _Stream:
+    ) -> Stream:
         """The source of the fork at `path` (in folder `key`, its meta.json `identity`), by
         incarnation: soft-deleted and expired sources still serve.
 
@@ -875,20 +454,20 @@ class StreamStore:
             stream = None
         if stream is not None and stream.config.incarnation == fork.source_incarnation:
             return stream
-        if self.objects.identity(_meta_key(key)) != identity:
+        if self.objects.identity(meta_key(key)) != identity:
             raise StreamNotFound(f"stream {path} was deleted")
         raise StorageUnavailable(f"fork source {fork.source} is missing from storage")
 
-    def _remember(self, path: str, stream: _Stream) -> None:
+    def _remember(self, path: str, stream: Stream) -> None:
         self._streams.put(path, stream)
         self._streams.shrink(self.settings.cached_streams, self.settings.handle_cache_bytes)
 
-    def _count_handle(self, stream: _Stream) -> None:
+    def _count_handle(self, stream: Stream) -> None:
         """Bring the handle cache's size up to date once a commit grew `stream`."""
         if self._streams.recount(stream) > self.settings.handle_cache_bytes:
             self._streams.shrink(self.settings.cached_streams, self.settings.handle_cache_bytes)
 
-    def _expired(self, stream: _Stream) -> bool:
+    def _expired(self, stream: Stream) -> bool:
         config, now = stream.config, time.time()
         if (
             config.expires_at is not None
@@ -907,7 +486,7 @@ class StreamStore:
     # -- segments -----------------------------------------------------------------------
 
     def read_segment(
-        self, stream: _Stream, start: int, *, whole: bool = False
+        self, stream: Stream, start: int, *, whole: bool = False
     ) -> tuple[SegmentIndex, StreamState]:
         """Header (and state, as `decode_header` gives it) of the piece at `start`."""
         return self._read_piece(stream.piece_key(start), whole=whole)
@@ -937,7 +516,7 @@ class StreamStore:
         self.indexes.put(key, index, index.nbytes)
         return index, state
 
-    def _whole_state(self, stream: _Stream, state: StreamState) -> StreamState:
+    def _whole_state(self, stream: Stream, state: StreamState) -> StreamState:
         """A state decoded from a header, its producer table made whole.
 
         A header that names a producer snapshot carries only the entries changed since
@@ -981,7 +560,7 @@ class StreamStore:
         except StorageUnavailable as error:
             log.warning("could not delete %d compacted or trimmed objects: %s", len(keys), error)
 
-    def segment(self, stream: _Stream, start: int) -> SegmentIndex:
+    def segment(self, stream: Stream, start: int) -> SegmentIndex:
         """The index of the piece at `start`, read from storage only the first time.
 
         Compaction may swap a pack in at `start` while the read yields (S3): the index
@@ -994,7 +573,7 @@ class StreamStore:
             if stream.piece_key(start) == key:
                 return index
 
-    def _refresh(self, stream: _Stream, *, only_next: bool = False) -> bool:
+    def _refresh(self, stream: Stream, *, only_next: bool = False) -> bool:
         """Pick up segments other processes wrote after our tail (or the next); True if any.
 
         Other greenlets may move the handle's tail while a segment is read (reads yield
@@ -1027,7 +606,7 @@ class StreamStore:
             stream.notify()
         return found
 
-    def _catch_up(self, stream: _Stream) -> None:
+    def _catch_up(self, stream: Stream) -> None:
         """After a lost race, adopt the state of the last segment written since our tail.
 
         Read one by one, the new segments cost a request each, and a process that keeps
@@ -1075,7 +654,7 @@ class StreamStore:
         if existing is not None:
             return False, self._confirm(existing, config, request)
         tail = fork.point if fork else 0
-        stream = _Stream(config, stream_key(path), None, StreamState(tail=tail), 0, None)
+        stream = Stream(config, stream_key(path), None, StreamState(tail=tail), 0, None)
         if request.payload is not None and request.payload.data or request.closed:
             plan = _Plan(state=stream.state.copy())
             _add_payload(plan, request.payload or Payload(b""))
@@ -1102,10 +681,10 @@ class StreamStore:
     def _held_by_another_path(self, key: str, path: str) -> bool:
         """Whether folder `key` holds a meta.json that is not a stream of `path`: an
         older release's hashed name equal to this short path, or a case-folding disk."""
-        config = self._config_at(key)
-        return config.path != path if config is not None else self.objects.exists(_meta_key(key))
+        config = read_config(self.objects, key)
+        return config.path != path if config is not None else self.objects.exists(meta_key(key))
 
-    def _mark_source(self, source: _Stream, fork: _Stream) -> None:
+    def _mark_source(self, source: Stream, fork: Stream) -> None:
         """Tell deletes of `source` that `fork`, being created, is about to read it, or refuse.
 
         The fork writes its marker before it looks for the source's `deleting` marker,
@@ -1123,7 +702,7 @@ class StreamStore:
             raise StreamConflict(f"fork source {source.config.path} was deleted")
         self._take_trims(source, fork)
 
-    def _take_trims(self, source: _Stream, fork: _Stream) -> None:
+    def _take_trims(self, source: Stream, fork: Stream) -> None:
         """Start `fork` no lower than its source's retention trimmed, or set out to trim,
         since it was validated (`publish_trim`). Intents are listed first: one may be
         replaced by its trim between the two listings, never the other way round."""
@@ -1143,17 +722,17 @@ class StreamStore:
             raise OffsetTrimmed(earliest)
         fork.config = replace(fork.config, fork=replace(origin, earliest=earliest))
 
-    def _abandon(self, stream: _Stream, source: _Stream | None) -> None:
+    def _abandon(self, stream: Stream, source: Stream | None) -> None:
         """Remove what a create that did not take place wrote: data, and a fork's marker."""
         self._remove_leftovers(stream)
         if source is not None:
             self._release_source(source, stream)
 
     def _created_by(self, key: str, incarnation: str) -> bool:
-        config = self._config_at(key)
+        config = read_config(self.objects, key)
         return config is not None and config.incarnation == incarnation
 
-    def _announced_info(self, path: str, created: _Stream) -> StreamInfo:
+    def _announced_info(self, path: str, created: Stream) -> StreamInfo:
         """The info of a stream just created, announced to listeners while it exists.
 
         Other requests may have deleted it (soft-deleted, if they forked it, or
@@ -1170,7 +749,7 @@ class StreamStore:
         self._announce(info)
         return info
 
-    def _existing_for_create(self, path: str) -> _Stream | None:
+    def _existing_for_create(self, path: str) -> Stream | None:
         try:
             return self._open(path)
         except StreamNotFound:
@@ -1181,7 +760,7 @@ class StreamStore:
             ) from error
 
     def _confirm(
-        self, existing: _Stream, wanted: StreamConfig, request: CreateRequest
+        self, existing: Stream, wanted: StreamConfig, request: CreateRequest
     ) -> StreamInfo:
         """An idempotent re-create matches every setting, closure included, or is a 409."""
         have = existing.config
@@ -1200,7 +779,7 @@ class StreamStore:
 
     def _resolve_fork(
         self, request: CreateRequest
-    ) -> tuple[ForkOrigin | None, _Stream | None, CreateRequest]:
+    ) -> tuple[ForkOrigin | None, Stream | None, CreateRequest]:
         """Validate fork headers against the source; forks inherit its type and expiry."""
         if request.fork_source is None:
             return None, None, request
@@ -1245,7 +824,7 @@ class StreamStore:
         )
         return origin, source, inherited
 
-    def _sub_offset_point(self, stream: _Stream, offset: int, sub_offset: int) -> int:
+    def _sub_offset_point(self, stream: Stream, offset: int, sub_offset: int) -> int:
         """The fork point `sub_offset` bytes (or JSON messages) into the append at `offset`."""
         if sub_offset == 0:
             return offset
@@ -1258,7 +837,7 @@ class StreamStore:
             raise InvalidRequest("Stream-Fork-Sub-Offset is past the end of that append")
         return offset + sub_offset
 
-    def _append_at(self, stream: _Stream, offset: int) -> tuple[int, list[int]]:
+    def _append_at(self, stream: Stream, offset: int) -> tuple[int, list[int]]:
         """End of the append that starts at `offset`, and its message ends (JSON)."""
         if stream.source is not None and offset < stream.base:
             end, messages = self._append_at(stream.source, offset)
@@ -1281,7 +860,7 @@ class StreamStore:
         (0.05 ms of a live event). Appends queued meanwhile get a writer greenlet.
         """
         stream = self._open(path, touch=True)
-        pending = _Pending(request)
+        pending = Pending(request)
         stream.pending.append(pending)
         if not stream.writing:
             stream.writing = True
@@ -1290,7 +869,7 @@ class StreamStore:
                 gevent.sleep(0)  # the live readers just woken send their event first
         return pending.result.get()
 
-    def _write_and_hand_on(self, stream: _Stream) -> None:
+    def _write_and_hand_on(self, stream: Stream) -> None:
         try:
             self._write_batch(stream)
         finally:
@@ -1299,7 +878,7 @@ class StreamStore:
             else:
                 stream.writing = False
 
-    def _write_batch(self, stream: _Stream) -> None:
+    def _write_batch(self, stream: Stream) -> None:
         if self.settings.linger_fraction:
             # Let the writers just answered send their next append: one batch instead
             # of two cohorts taking turns (object stores bill per PUT).
@@ -1317,12 +896,12 @@ class StreamStore:
                 _fail_unanswered(batch, StorageUnavailable(INTERRUPTED_APPEND))
                 raise
 
-    def _writer_turn(self, stream: _Stream) -> AbstractContextManager[bool]:
+    def _writer_turn(self, stream: Stream) -> AbstractContextManager[bool]:
         if self.writer_locks is None:
             return nullcontext(False)
         return self.writer_locks.held(stream.prefix)
 
-    def _commit(self, stream: _Stream, batch: list[_Pending]) -> None:
+    def _commit(self, stream: Stream, batch: list[Pending]) -> None:
         """Validate, write one segment, and answer: the group commit."""
         refreshed, first_loss, losses = False, 0.0, 0
         while True:
@@ -1373,7 +952,7 @@ class StreamStore:
             except Exception:
                 log.exception("stream listener failed for %s", info.path)
 
-    def _write_segment(self, stream: _Stream, plan: _Plan) -> None:
+    def _write_segment(self, stream: Stream, plan: _Plan) -> None:
         """Create the segment at the tail; `FileExistsError` if another writer won."""
         start = plan.start
         # 128 random bits, as uuid4 has, without its object: that cost a lone commit
@@ -1406,7 +985,7 @@ class StreamStore:
             stream.state = plan.state
             self._count_handle(stream)
 
-    def _snapshot_producers_if_due(self, stream: _Stream, plan: _Plan, token: str) -> str | None:
+    def _snapshot_producers_if_due(self, stream: Stream, plan: _Plan, token: str) -> str | None:
         """Write the producer table as a snapshot once the changes since the last one
         grow past PRODUCER_CHANGES_BYTES, so no segment carries more than that (and its
         own batch's entries) however many producers the stream has had.
@@ -1427,7 +1006,7 @@ class StreamStore:
         state.producer_snapshot, state.producers_changed = key, set()
         return key
 
-    def _plan(self, stream: _Stream, batch: list[_Pending]) -> _Plan:
+    def _plan(self, stream: Stream, batch: list[Pending]) -> _Plan:
         plan = _Plan(state=stream.state.copy())
         for pending in batch:
             try:
@@ -1436,7 +1015,7 @@ class StreamStore:
                 plan.outcomes.append(error)
         return plan
 
-    def _plan_one(self, stream: _Stream, plan: _Plan, request: AppendRequest) -> AppendResult:
+    def _plan_one(self, stream: Stream, plan: _Plan, request: AppendRequest) -> AppendResult:
         state = plan.state
         producer = request.producer
         if state.closed:
@@ -1468,9 +1047,7 @@ class StreamStore:
         return AppendResult(_info(stream, state), producer=producer)
 
     @staticmethod
-    def _closed_outcome(
-        stream: _Stream, state: StreamState, request: AppendRequest
-    ) -> AppendResult:
+    def _closed_outcome(stream: Stream, state: StreamState, request: AppendRequest) -> AppendResult:
         producer = request.producer
         if producer is not None and state.closer == (producer.id, producer.epoch, producer.seq):
             return AppendResult(_info(stream, state), duplicate=True, producer=producer)
@@ -1485,7 +1062,7 @@ class StreamStore:
         self._refresh_if_reachable(stream)
         return stream.info()
 
-    def _refresh_if_reachable(self, stream: _Stream) -> None:
+    def _refresh_if_reachable(self, stream: Stream) -> None:
         """Refresh, or go on with what this process knows while storage is down."""
         try:
             self._refresh(stream)
@@ -1545,7 +1122,7 @@ class StreamStore:
         return ReadResult(stream.info(), start, end, chunks, current and end == tail)
 
     def _plan_read(
-        self, stream: _Stream, start: int, limit: int
+        self, stream: Stream, start: int, limit: int
     ) -> tuple[int, list[tuple[str, int, int, int]]]:
         """Where a read from `start` up to `limit` ends, and the pieces' slices it takes.
 
@@ -1587,16 +1164,16 @@ class StreamStore:
                     stream.polling = True
                     gevent.spawn(self._poll, stream)
                 stream.wakeups.wait(deadline)
-                _raise_if_retired(stream)
+                stream.raise_if_retired()
         finally:
             stream.waiters -= 1
         return stream.info()
 
     @staticmethod
-    def _tail_confirmed(stream: _Stream, within: float) -> bool:
+    def _tail_confirmed(stream: Stream, within: float) -> bool:
         return time.monotonic() - stream.refreshed_at < within
 
-    def _poll(self, stream: _Stream) -> None:
+    def _poll(self, stream: Stream) -> None:
         """While readers wait, look for segments written by other processes.
 
         Where a watch on the segment directory can be added (local disk, Linux), it says
@@ -1620,7 +1197,7 @@ class StreamStore:
                 try:
                     found = self._refresh(stream)
                     if was_nudged and not found and self._deleted_elsewhere(stream):
-                        _end_waits(stream)  # its segment directory went: 404 now, not at timeout
+                        stream.end_waits()  # its segment directory went: 404 now, not at timeout
                 except StorageUnavailable:
                     continue
                 if found and stop_watching is None:
@@ -1630,7 +1207,7 @@ class StreamStore:
                 stop_watching()
             stream.polling = False
 
-    def _watch(self, stream: _Stream, nudged: Event) -> Callable[[], None] | None:
+    def _watch(self, stream: Stream, nudged: Event) -> Callable[[], None] | None:
         """Set `nudged` when another process may have added a segment; None if unwatched."""
 
         def on_create(name: str) -> None:
@@ -1643,7 +1220,7 @@ class StreamStore:
         return stop_watching
 
     @staticmethod
-    def _may_be_news(stream: _Stream, name: str) -> bool:
+    def _may_be_news(stream: Stream, name: str) -> bool:
         """Whether a new entry in the segment directory could be a segment we do not know.
 
         Temporary files and segments behind the tail are not; nor is the one our writer
@@ -1658,7 +1235,7 @@ class StreamStore:
         start = int(name)
         return start >= stream.state.tail and start != stream.creating
 
-    def _is_boundary(self, stream: _Stream, offset: int) -> bool:
+    def _is_boundary(self, stream: Stream, offset: int) -> bool:
         """Whether `offset` starts a JSON message (JSON streams) or an append (others)."""
         if offset in (0, stream.state.tail, stream.base):
             return True
@@ -1667,7 +1244,7 @@ class StreamStore:
         index = self._piece_holding(stream, offset)
         return index is not None and (offset == index.start or index.is_end(offset, stream.is_json))
 
-    def _unit_start(self, stream: _Stream, offset: int) -> int:
+    def _unit_start(self, stream: Stream, offset: int) -> int:
         """Where the JSON message (or, in other streams, the append) holding the byte at
         `offset` starts: a read from inside one starts there, as the reference server's
         do, and as the Yjs provider's server expects of the offsets it makes up."""
@@ -1680,11 +1257,11 @@ class StreamStore:
             return offset  # the read's slices meet the gap and answer 503
         return index.start_around(offset, stream.is_json)
 
-    def _piece_holding(self, stream: _Stream, offset: int) -> SegmentIndex | None:
+    def _piece_holding(self, stream: Stream, offset: int) -> SegmentIndex | None:
         position = bisect.bisect_right(stream.starts, offset) - 1
         return self.segment(stream, stream.starts[position]) if position >= 0 else None
 
-    def _end_before(self, stream: _Stream, start: int, limit: int) -> int:
+    def _end_before(self, stream: Stream, start: int, limit: int) -> int:
         """The last message (or append) end in (start, limit], or the first after `start`:
         a read ends on a whole message or append, and never returns nothing."""
         if limit <= start:
@@ -1699,7 +1276,7 @@ class StreamStore:
             return found
         return self._own_end(stream, start, stream.state.tail, backward=False)
 
-    def _own_end(self, stream: _Stream, start: int, limit: int, *, backward: bool) -> int:
+    def _own_end(self, stream: Stream, start: int, limit: int, *, backward: bool) -> int:
         # Walk this list even if compaction puts a shorter one in place while an index is
         # read (S3): the pieces it names stay readable for the delete grace.
         starts, messages = stream.starts, stream.is_json
@@ -1719,7 +1296,7 @@ class StreamStore:
                 return found
         return start
 
-    def _slices(self, stream: _Stream, start: int, end: int) -> list[tuple[str, int, int, int]]:
+    def _slices(self, stream: Stream, start: int, end: int) -> list[tuple[str, int, int, int]]:
         """(object key, byte position, length) pieces that hold [start, end)."""
         pieces: list[tuple[str, int, int, int]] = []
         if stream.source is not None and start < stream.base:
@@ -1778,16 +1355,9 @@ class StreamStore:
             if not (is_hashed_key(key) or key.startswith(LEGACY_HASHED_PREFIX)):
                 yield unquote(key)
                 continue
-            config = self._config_at(key)
+            config = read_config(self.objects, key)
             if config is not None:
                 yield config.path
-
-    def _config_at(self, key: str) -> StreamConfig | None:
-        """The config in `streams/<key>/meta.json`; None if absent or unreadable."""
-        try:
-            return StreamConfig.from_json(self.objects.read(_meta_key(key)))
-        except (FileNotFoundError, orjson.JSONDecodeError, TypeError, KeyError):
-            return None
 
     def sweep(self) -> None:
         """Delete every expired stream, touched or not, free soft-deleted ones whose
@@ -1800,7 +1370,7 @@ class StreamStore:
         created (a crash between its steps).
         """
         for key in self.objects.list("streams"):
-            config = self._config_at(key)
+            config = read_config(self.objects, key)
             try:
                 if config is not None:
                     self._sweep_stream(config.path)
@@ -1846,7 +1416,7 @@ class StreamStore:
     def delete(self, path: str) -> None:
         self._retire(self._open(path))
 
-    def _retire(self, stream: _Stream) -> bool:
+    def _retire(self, stream: Stream) -> bool:
         """Delete, or soft-delete while forks still read the data; True if soft.
 
         Each marker is written before the look that depends on it: `deleting` before
@@ -1869,13 +1439,13 @@ class StreamStore:
             raise
         return False
 
-    def _mark_stream(self, stream: _Stream, name: str) -> None:
+    def _mark_stream(self, stream: Stream, name: str) -> None:
         """Write the marker `name` into a stream's folder; a 404 if another process
         erased the stream, folder and all."""
         if not self._create_marker(f"{stream.prefix}/{name}"):
             raise StreamNotFound(f"stream {stream.config.path} was deleted")
 
-    def publish_trim(self, stream: _Stream, earliest: int) -> bool:
+    def publish_trim(self, stream: Stream, earliest: int) -> bool:
         """Make `earliest` the stream's earliest offset, unless a fork reads it: False.
 
         As with deletes, each side writes before it looks: retention its intent
@@ -1909,7 +1479,7 @@ class StreamStore:
             return False
         return True
 
-    def _has_forks(self, stream: _Stream) -> bool:
+    def _has_forks(self, stream: Stream) -> bool:
         """True while a fork reads the stream, or may be about to (one being created)."""
         return any(
             self._fork_reads(f"{stream.prefix}/forks/{name}", name)
@@ -1936,7 +1506,7 @@ class StreamStore:
         self.objects.delete_tree(marker)
         return False
 
-    def _erase(self, stream: _Stream) -> None:
+    def _erase(self, stream: Stream) -> None:
         """Delete meta.json (the commit point), then the data; a lost race is a 404."""
         config = stream.config
         self._streams.discard(config.path, stream)
@@ -1945,14 +1515,14 @@ class StreamStore:
                 raise FileNotFoundError(config.path)
             self.objects.delete(stream.meta_key)
         except FileNotFoundError as error:
-            _end_waits(stream)  # erased by another request first
+            stream.end_waits()  # erased by another request first
             raise StreamNotFound(f"stream {config.path} not found") from error
-        _end_waits(stream)
+        stream.end_waits()
         self._remove_leftovers(stream)
         if stream.source is not None:
             self._release_source(stream.source, stream)
 
-    def _release_source(self, source: _Stream, fork: _Stream) -> None:
+    def _release_source(self, source: Stream, fork: Stream) -> None:
         """Remove a fork's marker; a soft-deleted source goes with its last fork.
 
         The marker goes before the look for `gone` (see `_retire`).
@@ -1961,13 +1531,13 @@ class StreamStore:
         if self.objects.exists(f"{source.prefix}/gone") and not self._has_forks(source):
             self._erase_if_there(source)  # its delete, or another fork going, may be first
 
-    def _erase_if_there(self, stream: _Stream) -> None:
+    def _erase_if_there(self, stream: Stream) -> None:
         try:
             self._erase(stream)
         except StreamNotFound:
             pass
 
-    def _remove_leftovers(self, stream: _Stream) -> None:
+    def _remove_leftovers(self, stream: Stream) -> None:
         """Remove the folder of a stream that no longer exists; a writer that raced its
         deletion may have left a segment behind, which is only logged."""
         try:
@@ -1976,7 +1546,7 @@ class StreamStore:
             log.warning("leftover data of deleted stream %s: %s", stream.config.path, error)
 
 
-def _fork_marker(source: _Stream, fork: _Stream) -> str:
+def _fork_marker(source: Stream, fork: Stream) -> str:
     """The key of the object that tells deletes of `source` that `fork` reads it."""
     return f"{source.prefix}/forks/{fork.key}+{fork.config.incarnation}"
 
@@ -1991,7 +1561,7 @@ def _younger(modified: float | None) -> bool:
     return time.time() - (modified or 0.0) < FORK_MARKER_SECONDS
 
 
-def _read_start(stream: _Stream, offset: int | None) -> int:
+def _read_start(stream: Stream, offset: int | None) -> int:
     """Where a read from `offset` (None: the earliest retained) starts; 410 if trimmed."""
     start = stream.earliest if offset is None else offset
     if start < stream.earliest:
@@ -2010,7 +1580,7 @@ def _first_taken_now(chunks: Iterator[bytes]) -> Iterator[bytes]:
     return chunks if first is None else itertools.chain((first,), chunks)
 
 
-def _info(stream: _Stream, state: StreamState) -> StreamInfo:
+def _info(stream: Stream, state: StreamState) -> StreamInfo:
     """The stream's info at a planned state: every append's answer builds one.
 
     A copy of the cached info's fields with two changed: `dataclasses.replace` walks

@@ -86,19 +86,18 @@ from flask import Flask, request
 from gevent.lock import RLock
 
 from auth import AuthError, refusal, request_allows, request_covers
-from objectstore import ObjectStore
+from objectstore import ObjectStore, StorageUnavailable
 from picomq import STREAM_PREFIX, BadRequest, Response, format_offset, parse_offset
 from picomq import parse_stream_path as parse_picomq_path
 from settings import Network, Settings
-from storage import (
+from storage import StreamStore
+from streams import (
     AppendRequest,
     Payload,
-    StorageUnavailable,
     StoreError,
     StreamGone,
     StreamInfo,
     StreamNotFound,
-    StreamStore,
     is_json_type,
     stream_key,
 )

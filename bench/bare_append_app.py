@@ -9,7 +9,7 @@ A measuring instrument, not a server: a bad request gets a stack trace.
 """
 
 from picomq import NEXT_OFFSET, STREAM_PREFIX, format_offset
-from storage import AppendRequest
+from streams import AppendRequest
 from wsgi import app as picomq_app
 
 store = picomq_app.extensions["picomq.store"]

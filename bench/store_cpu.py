@@ -34,7 +34,8 @@ from servers import REPO_DIR  # noqa: E402
 
 sys.path.insert(0, str(REPO_DIR))
 from objectstore import ObjectStore  # noqa: E402
-from storage import AppendRequest, CreateRequest, Payload, StoreSettings, StreamStore  # noqa: E402
+from storage import StreamStore  # noqa: E402
+from streams import AppendRequest, CreateRequest, Payload, StoreSettings  # noqa: E402
 
 MAX_APPENDS = 1_000_000  # bounded: about a minute on one core
 

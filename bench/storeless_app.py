@@ -7,7 +7,8 @@ stores nothing. Over 1,000 streams its appends/s are the most PicoMQ could take 
 store that cost nothing. A measuring instrument, not a server: appends are not kept.
 """
 
-from storage import AppendRequest, AppendResult, StreamInfo, StreamStore
+from storage import StreamStore
+from streams import AppendRequest, AppendResult, StreamInfo
 from wsgi import app
 
 store: StreamStore = app.extensions["picomq.store"]

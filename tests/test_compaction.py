@@ -7,7 +7,8 @@ import time
 import gevent
 
 from objectstore import ObjectStore
-from storage import AppendRequest, CreateRequest, Payload, StoreSettings, StreamStore
+from storage import StreamStore
+from streams import AppendRequest, CreateRequest, Payload, StoreSettings
 
 SETTINGS = StoreSettings(compact_after=4, compact_max_segments=8, index_max_age=0.03)
 

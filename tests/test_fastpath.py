@@ -20,9 +20,9 @@ from werkzeug.test import Client
 from auth import mint_token
 from fastpath import header_lines
 from metrics import get_metrics
+from objectstore import StorageUnavailable
 from picomq import create_app
 from settings import Settings
-from storage import StorageUnavailable
 
 JSON = {"Content-Type": "application/json"}
 SECRET = "s" * 32

@@ -23,7 +23,7 @@ import pytest
 import requests
 
 from settings import Settings, SettingsError
-from storage import MAX_FORK_DEPTH, MAX_PRODUCER_ID_BYTES, MAX_STREAM_SEQ_BYTES
+from streams import MAX_FORK_DEPTH, MAX_PRODUCER_ID_BYTES, MAX_STREAM_SEQ_BYTES
 
 if TYPE_CHECKING:
     from conftest import Server, StartServer

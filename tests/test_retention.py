@@ -11,7 +11,8 @@ import pytest
 import requests
 
 from objectstore import ObjectStore
-from storage import (
+from storage import StreamStore
+from streams import (
     AppendRequest,
     CreateRequest,
     OffsetTrimmed,
@@ -19,7 +20,6 @@ from storage import (
     Producer,
     StoreSettings,
     StreamClosed,
-    StreamStore,
 )
 
 # Tiny index age: fence 0.1 s, deletion grace 0.5 s; no compaction in the way.

@@ -29,6 +29,7 @@ from gevent.event import Event
 import compaction
 import localdisk
 import storage
+import streams
 from objectstore import ObjectCache, ObjectStore, StorageUnavailable
 from segments import (
     MAGIC,
@@ -39,7 +40,8 @@ from segments import (
     encode_segment,
     positions,
 )
-from storage import (
+from storage import StreamStore
+from streams import (
     AppendRequest,
     AppendResult,
     CreateRequest,
@@ -54,7 +56,6 @@ from storage import (
     StreamConflict,
     StreamGone,
     StreamNotFound,
-    StreamStore,
     stream_key,
 )
 
@@ -395,7 +396,7 @@ def test_no_short_path_names_the_storage_of_a_long_one(make_store: MakeStore) ->
 def move_to_legacy_key(storage_url: str, path: str) -> str:
     """Move a long path's folder to the name releases before 2026-12-06 gave it."""
     objects = ObjectStore(storage_url)
-    legacy = storage.legacy_stream_key(path)
+    legacy = streams.legacy_stream_key(path)
     assert legacy is not None
     old, new = objects.path(f"streams/{stream_key(path)}"), objects.path(f"streams/{legacy}")
     if objects.is_local:
@@ -434,7 +435,7 @@ def test_a_small_append_writes_a_bounded_part_of_the_producer_table(
 ) -> None:
     store = make_store()
     store.create("crowd", CreateRequest(TEXT))
-    ids = [f"{n:03d}-" + "p" * (storage.MAX_PRODUCER_ID_BYTES - 4) for n in range(300)]
+    ids = [f"{n:03d}-" + "p" * (streams.MAX_PRODUCER_ID_BYTES - 4) for n in range(300)]
     for producer_id in ids:
         append_text(store, "crowd", b"x", producer=Producer(producer_id, 0, 0))
     tail = store.head("crowd").tail
@@ -442,7 +443,7 @@ def test_a_small_append_writes_a_bounded_part_of_the_producer_table(
     objects, handle = ObjectStore(storage_url), store._streams["crowd"]
     sizes = [len(objects.read(handle.segment_key(start))) for start in range(tail + 1)]
     # The table is 90 KB; every segment carries at most the changes since a snapshot.
-    assert max(sizes) < storage.PRODUCER_CHANGES_BYTES + 2 * storage.PRODUCER_ENTRY_BYTES + 1024
+    assert max(sizes) < storage.PRODUCER_CHANGES_BYTES + 2 * streams.PRODUCER_ENTRY_BYTES + 1024
 
     restarted = make_store()  # state from the last segment and the snapshot it names
     assert append_text(restarted, "crowd", b"z", producer=Producer(ids[7], 0, 0)).duplicate
@@ -466,11 +467,11 @@ def test_idle_and_surplus_producers_are_forgotten_oldest_first() -> None:
 def test_forks_of_forks_go_only_so_deep(make_store: MakeStore) -> None:
     store = make_store()
     store.create("f0", CreateRequest(TEXT, payload=Payload(b"a")))
-    for depth in range(1, storage.MAX_FORK_DEPTH + 1):
+    for depth in range(1, streams.MAX_FORK_DEPTH + 1):
         store.create(f"f{depth}", CreateRequest("", fork_source=f"f{depth - 1}"))
     with pytest.raises(InvalidRequest):
-        store.create("too-deep", CreateRequest("", fork_source=f"f{storage.MAX_FORK_DEPTH}"))
-    assert read_all(make_store(), f"f{storage.MAX_FORK_DEPTH}") == b"a"
+        store.create("too-deep", CreateRequest("", fork_source=f"f{streams.MAX_FORK_DEPTH}"))
+    assert read_all(make_store(), f"f{streams.MAX_FORK_DEPTH}") == b"a"
 
 
 def test_a_chain_too_deep_to_load_fails_alone(
@@ -630,7 +631,7 @@ def test_a_sweep_removes_folders_no_stream_uses_once_old(
     store.create("log", CreateRequest(TEXT, payload=Payload(b"new")))
     old_leftover, young_leftover = f"{deleted.prefix}/seg", "streams/log/0123456789abcdef/seg"
     for folder in (old_leftover, young_leftover):
-        store.objects.create(f"{folder}/{storage.segment_name(3)}", b"raced")
+        store.objects.create(f"{folder}/{streams.segment_name(3)}", b"raced")
     an_hour_ago = time.time() - 3600
     os.utime(store.objects.path(deleted.prefix), (an_hour_ago, an_hour_ago))
     store.sweep()
@@ -731,7 +732,7 @@ def test_a_stream_listed_while_another_store_deletes_its_pieces_is_not_found(
     middle_segment = handle.segment_key(1)
 
     def delete_under_way() -> None:
-        first.objects.delete(storage._meta_key("log"))
+        first.objects.delete(streams.meta_key("log"))
         first.objects.delete_many([middle_segment])
 
     around(second, "list", f"{handle.prefix}/seg", before=delete_under_way)
@@ -773,7 +774,7 @@ def test_a_stream_deleted_by_another_store_as_it_is_created_was_created(
             second.create("fork", CreateRequest("", fork_source="log"))
         second.delete("log")
 
-    around(first, "create", storage._meta_key("log"), after=fork_and_delete)
+    around(first, "create", streams.meta_key("log"), after=fork_and_delete)
     created, info = first.create("log", CreateRequest(TEXT, payload=Payload(b"abc")))
     assert (created, info.tail) == (True, 3)
     with pytest.raises(StreamGone if forked else StreamNotFound):
@@ -786,7 +787,7 @@ def test_a_create_that_lost_to_a_stream_deleted_meanwhile_creates_it_after_all(
     """Another node created the stream first, then deleted it before this create could
     confirm it: a PUT means "make sure it exists", so this one creates it."""
     first, second = make_store(), make_store()
-    meta = storage._meta_key("log")
+    meta = streams.meta_key("log")
     around(
         first,
         "create",
@@ -978,7 +979,7 @@ def test_a_trim_intent_left_by_a_crash_stops_counting_once_old(
     """Retention's process died between writing its intent and removing it."""
     store, _, prefix = two_stores_knowing_a_source(make_store)
     append_text(store, "source", b"more")
-    store.objects.create(f"{prefix}/trimming/{storage.segment_name(4)}", b"")
+    store.objects.create(f"{prefix}/trimming/{streams.segment_name(4)}", b"")
     monkeypatch.setattr(storage, "FORK_MARKER_SECONDS", 0.0)
     store.create("fork", CreateRequest("", fork_source="source"))
     assert read_all(make_store(), "fork") == b"datamore"
@@ -1430,7 +1431,7 @@ def test_an_appender_killed_while_it_commits_fails_its_batch_and_hands_on_the_re
     gevent.sleep(0.05)  # it waits behind the batch
     first.kill(block=True)
     in_batch.join(timeout=WAIT_TIMEOUT_SECONDS)
-    assert isinstance(in_batch.exception, storage.StorageUnavailable)
+    assert isinstance(in_batch.exception, StorageUnavailable)
     assert queued.get(timeout=WAIT_TIMEOUT_SECONDS).info.tail == 2
     assert read_all(store, "live") == b"03"
     assert not store._streams["live"].writing
