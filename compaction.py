@@ -14,7 +14,7 @@ The pack is written create-only (two nodes packing the same run write the same
 bytes; one wins). The originals stay for `delete_grace` so that readers and writers
 holding an older index never miss them; a writer that still knew an old tail would
 otherwise find its segment name free again. Which piece serves which offsets when
-the index is listed is decided in `StreamStore._list_pieces`.
+the index is listed is decided in `Pieces._list` (pieces.py).
 """
 
 from __future__ import annotations
@@ -30,30 +30,30 @@ from objectstore import StorageUnavailable
 from segments import CorruptSegment, SegmentIndex, encode_segment, positions
 
 if TYPE_CHECKING:
-    from storage import StreamStore
+    from pieces import Pieces
     from streams import Stream
 
 # Housekeeping of the store's objects: its warnings carry the store's logger name.
 log = logging.getLogger("picomq.storage")
 
 
-def maybe_compact(store: StreamStore, stream: Stream) -> None:
+def maybe_compact(pieces: Pieces, stream: Stream) -> None:
     """Compact in the background once enough segments are unpacked, one job at a time."""
-    if stream.unpacked > store.settings.compact_after and stream.begin_housekeeping():
-        gevent.spawn(_compact, store, stream)
+    if stream.unpacked > pieces.settings.compact_after and stream.begin_housekeeping():
+        gevent.spawn(_compact, pieces, stream)
 
 
-def _compact(store: StreamStore, stream: Stream) -> None:
+def _compact(pieces: Pieces, stream: Stream) -> None:
     """Merge a run of small segments into one pack; storage errors only postpone it."""
-    settings = store.settings
+    settings = pieces.settings
     try:
         run = _unpacked_run(stream, settings.compact_max_segments, settings.compact_max_bytes)
         if len(run) < 2:
             stream.nothing_to_pack()
             return
-        headers = [store.read_segment(stream, start) for start in run]
+        headers = [pieces.read_segment(stream, start) for start in run]
         payload = b"".join(
-            store.objects.read(stream.piece_key(index.start), index.payload_position)
+            pieces.objects.read(stream.piece_key(index.start), index.payload_position)
             for index, _ in headers
         )
         end, state = headers[-1][0].end, headers[-1][1]
@@ -61,12 +61,12 @@ def _compact(store: StreamStore, stream: Stream) -> None:
         pack = stream.pack_key(run[0], end)
         try:
             data, _ = encode_segment(run[0], payload, appends, messages, state)
-            store.objects.create(pack, data)
+            pieces.objects.create(pack, data)
         except FileExistsError:
             pass
         originals = [stream.segment_key(start) for start in run]
         stream.adopt_pack(run, pack)
-        store.delete_later(originals)
+        pieces.delete_later(originals)
     except (StorageUnavailable, FileNotFoundError, CorruptSegment) as error:
         log.warning("compaction of %s postponed: %s", stream.config.path, error)
     finally:

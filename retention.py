@@ -19,20 +19,24 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from objectstore import StorageUnavailable
 from segments import CorruptSegment
 
 if TYPE_CHECKING:
-    from storage import StreamStore
+    from pieces import Pieces
     from streams import Stream
 
 # Housekeeping of the store's objects: its warnings carry the store's logger name.
 log = logging.getLogger("picomq.storage")
 
+# Makes a new earliest offset known unless a fork reads below it (lifecycle.py).
+PublishTrim = Callable[["Stream", int], bool]
 
-def schedule_trim(store: StreamStore, stream: Stream) -> None:
+
+def schedule_trim(pieces: Pieces, publish: PublishTrim, stream: Stream) -> None:
     """Check retention soon, once: after appends, on load, and when data comes of age.
 
     Only streams with a retention setting and data past it get a timer, so idle
@@ -43,36 +47,36 @@ def schedule_trim(store: StreamStore, stream: Stream) -> None:
         return
     if len(stream.starts) >= 2:
         stream.trim_later(
-            store.settings.index_max_age / 10, functools.partial(_trim, store, stream)
+            pieces.settings.index_max_age / 10, functools.partial(_trim, pieces, publish, stream)
         )
 
 
-def _trim(store: StreamStore, stream: Stream) -> None:
+def _trim(pieces: Pieces, publish: PublishTrim, stream: Stream) -> None:
     """Publish a new earliest offset, then delete the pieces below it after the grace."""
     if not stream.begin_housekeeping():  # compaction is rewriting the index: look again soon
-        schedule_trim(store, stream)
+        schedule_trim(pieces, publish, stream)
         return
     try:
-        cut, wake_at = _trim_point(store, stream)
-        if cut > stream.earliest and store.publish_trim(stream, cut):
-            store.delete_later(stream.trim(cut))
+        cut, wake_at = _trim_point(pieces, stream)
+        if cut > stream.earliest and publish(stream, cut):
+            pieces.delete_later(stream.trim(cut))
         if wake_at is not None:
-            delay = max(wake_at - time.time(), store.settings.index_max_age / 10)
-            stream.trim_later(delay, functools.partial(_trim, store, stream))
+            delay = max(wake_at - time.time(), pieces.settings.index_max_age / 10)
+            stream.trim_later(delay, functools.partial(_trim, pieces, publish, stream))
     except (StorageUnavailable, FileNotFoundError, CorruptSegment) as error:
         log.warning("retention of %s postponed: %s", stream.config.path, error)
     finally:
         stream.end_housekeeping()
 
 
-def _trim_point(store: StreamStore, stream: Stream) -> tuple[int, float | None]:
+def _trim_point(pieces: Pieces, stream: Stream) -> tuple[int, float | None]:
     """The first offset to keep, and when to look again (None: nothing will age out)."""
     config, now = stream.config, time.time()
-    fence_age = 2 * store.settings.index_max_age
+    fence_age = 2 * pieces.settings.index_max_age
     starts = list(stream.starts)
     cut, wake_at = stream.earliest, None
     for start, following in zip(starts, starts[1:], strict=False):
-        piece, after = store.segment(stream, start), store.segment(stream, following)
+        piece, after = pieces.segment(stream, start), pieces.segment(stream, following)
         too_old = config.retention_age is not None and (
             piece.written_at < now - config.retention_age
         )

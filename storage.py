@@ -58,20 +58,14 @@ from gevent.event import AsyncResult, Event
 
 import compaction
 import retention
-from objectstore import ObjectCache, ObjectStore, StorageUnavailable
+from objectstore import ObjectStore, StorageUnavailable
+from pieces import Pieces
 from segments import (
-    HEADER_PROBE_BYTES,
-    CorruptSegment,
     ProducerEntry,
-    SegmentIndex,
     StreamState,
-    decode_header,
-    decode_producer_table,
     encode_producer_table,
     encode_segment,
-    header_length,
     positions,
-    verify_payload,
 )
 from streams import (
     LEGACY_HASHED_PREFIX,
@@ -99,6 +93,7 @@ from streams import (
     StreamGone,
     StreamInfo,
     StreamNotFound,
+    highest_offset,
     is_hashed_key,
     legacy_stream_key,
     media_type,
@@ -186,8 +181,7 @@ class StreamStore:
         self.objects = objects
         self.settings = settings or StoreSettings()
         self.writer_locks = writer_locks
-        self.cache: ObjectCache[bytes] = ObjectCache(self.settings.cache_bytes)
-        self.indexes: ObjectCache[SegmentIndex] = ObjectCache(self.settings.index_cache_bytes)
+        self.pieces = Pieces(objects, self.settings)
         self._streams = Handles()
         self._building: dict[tuple[str, object], AsyncResult] = {}  # handles being loaded
         self.listeners: list[Callable[[StreamInfo], None]] = []
@@ -324,106 +318,6 @@ class StreamStore:
         self._remember(path, stream)
         return stream
 
-    def _index(self, stream: Stream) -> None:
-        """List a stream's segments and packs and read its state from the last one.
-
-        Built aside and swapped in at once: listing yields to other greenlets (S3), and
-        readers must never see a half-built index or a tail older than one they saw.
-        """
-        starts, keys, covered, earliest = self._list_pieces(stream)
-        state = StreamState(tail=stream.base)
-        while starts:
-            key = keys.get(starts[-1]) or stream.segment_key(starts[-1])
-            try:
-                _, state = self._read_piece(key, whole=True)
-                break
-            except CorruptSegment as error:
-                self._drop_torn(key, error)
-            except FileNotFoundError as error:
-                # Listed, then gone: the stream was deleted meanwhile, or another
-                # process dropped this piece as torn and the one before is the last.
-                self._raise_if_deleted(stream, error)
-            keys.pop(starts.pop(), None)
-        while not state.closed:  # segments written while we listed
-            key = stream.segment_key(state.tail)
-            try:
-                index, newer = self._read_piece(key, whole=True)
-            except FileNotFoundError:
-                break
-            except CorruptSegment as error:
-                self._drop_torn(key, error)
-                break
-            starts.append(index.start)
-            state = newer
-        state = self._whole_state(stream, state)
-        if stream.state.tail > state.tail:  # our own writer got further meanwhile
-            starts += [start for start in stream.starts if start >= state.tail]
-            state = stream.state
-        stream.starts, stream.keys = starts, keys
-        stream.state, stream.earliest = state, earliest
-        stream.unpacked = len(starts) - len(keys)
-        stream.indexed_at = time.monotonic()
-        if covered:
-            self.delete_later(covered)
-        retention.schedule_trim(self, stream)
-
-    def _list_pieces(self, stream: Stream) -> tuple[list[int], dict[int, str], list[str], int]:
-        """Starts of the pieces in use, pack keys by start, unused keys, earliest offset.
-
-        A pack replaces the segments it covers. Packs that two nodes made over each
-        other may overlap: the first one listed is used, and a later one only for
-        what it holds past the first (the segments there may be gone, replaced by
-        it); one wholly inside is not used. Nor are pieces wholly below the earliest
-        offset (retention). Pieces used may therefore overlap: a read finds the one
-        with the last start at or before its offset, which holds it.
-        """
-        # Segments before packs: a pack listed here was written before its originals were
-        # deleted, and one written after the segment listing found its originals in it.
-        names = self.objects.list(f"{stream.prefix}/seg")
-        segment_starts = sorted(int(name) for name in names if name.isdigit())
-        packs = sorted(
-            (int(start), int(end))
-            for start, _, end in (
-                name.partition("-") for name in self.objects.list(f"{stream.prefix}/pack")
-            )
-            if start.isdigit() and end.isdigit()
-        )
-        trims = self.objects.list(f"{stream.prefix}/trim")
-        inherited = stream.config.fork.earliest if stream.config.fork else 0
-        earliest = _highest_offset(trims, default=inherited)
-        starts, keys, unused, covered_to = [], {}, [], -1
-        # At one start, a pack (the longest piece) comes before the segment it replaced.
-        pieces = sorted(
-            [(start, -end, True) for start, end in packs]
-            + [(start, -start, False) for start in segment_starts],
-            key=lambda piece: (piece[0], piece[1], not piece[2]),
-        )
-        for start, negative_end, is_pack in pieces:
-            end = -negative_end
-            key = stream.pack_key(start, end) if is_pack else stream.segment_key(start)
-            # A trim cuts at a piece start, but another node may have packed across it.
-            trimmed = end <= earliest if is_pack else start < earliest
-            covered = end <= covered_to if is_pack else start < covered_to
-            if covered or trimmed:
-                if not is_pack or trimmed:
-                    unused.append(key)
-                continue
-            starts.append(start)
-            if is_pack:
-                keys[start] = key
-                covered_to = end
-        return starts, keys, unused, earliest
-
-    def _raise_if_deleted(self, stream: Stream, error: Exception) -> None:
-        """StreamNotFound if `error` (a piece missing, or missing from a listing) came from
-        another process deleting the stream after we opened it."""
-        if self._deleted_elsewhere(stream):
-            raise StreamNotFound(f"stream {stream.config.path} was deleted") from error
-
-    def _deleted_elsewhere(self, stream: Stream) -> bool:
-        """Whether the stream's meta.json is no longer the one this handle loaded."""
-        return self.objects.identity(stream.meta_key) != stream.identity
-
     def _fresh(self, stream: Stream) -> Stream:
         """Re-list an index older than `index_max_age`: compaction may have moved its data.
 
@@ -458,6 +352,11 @@ class StreamStore:
             raise StreamNotFound(f"stream {path} was deleted")
         raise StorageUnavailable(f"fork source {fork.source} is missing from storage")
 
+    def _index(self, stream: Stream) -> None:
+        """List the stream's pieces; then retention looks at what it may drop."""
+        self.pieces.index(stream)
+        retention.schedule_trim(self.pieces, self.publish_trim, stream)
+
     def _remember(self, path: str, stream: Stream) -> None:
         self._streams.put(path, stream)
         self._streams.shrink(self.settings.cached_streams, self.settings.handle_cache_bytes)
@@ -484,155 +383,6 @@ class StreamStore:
         return now >= stream.last_access + config.ttl
 
     # -- segments -----------------------------------------------------------------------
-
-    def read_segment(
-        self, stream: Stream, start: int, *, whole: bool = False
-    ) -> tuple[SegmentIndex, StreamState]:
-        """Header (and state, as `decode_header` gives it) of the piece at `start`."""
-        return self._read_piece(stream.piece_key(start), whole=whole)
-
-    def _read_piece(self, key: str, *, whole: bool = False) -> tuple[SegmentIndex, StreamState]:
-        """Header (and state) of a segment or pack; `whole` also checks its payload.
-
-        The last segment of a stream is read whole: it is the one a crash could have
-        torn, its state is the stream's, and readers will want its bytes next. Read
-        from storage, it may be another process's, just linked: made durable before
-        anything in it is served.
-        """
-        data = self.cache.get(key)
-        if data is None:
-            data = (
-                self.objects.read(key) if whole else self.objects.read(key, 0, HEADER_PROBE_BYTES)
-            )
-            if whole:
-                self.objects.make_durable(key)
-        length = header_length(data)
-        if length > len(data):
-            data = self.objects.read(key, 0, length)
-        index, state = decode_header(data)
-        if whole:
-            verify_payload(data, index)
-            self.cache.put(key, data)
-        self.indexes.put(key, index, index.nbytes)
-        return index, state
-
-    def _whole_state(self, stream: Stream, state: StreamState) -> StreamState:
-        """A state decoded from a header, its producer table made whole.
-
-        A header that names a producer snapshot carries only the entries changed since
-        it, all of them (they accumulate until the next snapshot), so they supersede any
-        this handle knows: on the handle's own snapshot they merge onto its table
-        without a request; on another, that snapshot is read.
-        """
-        snapshot = state.producer_snapshot
-        if snapshot is None:
-            return state
-        if snapshot == stream.state.producer_snapshot:
-            table = stream.state.producers
-        else:
-            table = decode_producer_table(self._read_cached(snapshot))
-        state.producers = {**table, **state.producers}
-        return state
-
-    def _read_cached(self, key: str) -> bytes:
-        data = self.cache.get(key)
-        if data is None:
-            data = self.objects.read(key)
-            self.cache.put(key, data)
-        return data
-
-    def _drop_torn(self, key: str, error: CorruptSegment) -> None:
-        """A last segment that fails its checks was never acknowledged: remove it."""
-        log.warning("dropping torn segment %s: %s", key, error)
-        self.objects.delete_many([key])
-
-    def delete_later(self, keys: list[str]) -> None:
-        """Delete objects that left the index once no older index can still name them.
-
-        A failed delete is only logged: the next listing finds the objects unused and
-        schedules them again.
-        """
-        gevent.spawn_later(self.settings.delete_grace, self._delete_quietly, keys)
-
-    def _delete_quietly(self, keys: list[str]) -> None:
-        try:
-            self.objects.delete_many(keys)
-        except StorageUnavailable as error:
-            log.warning("could not delete %d compacted or trimmed objects: %s", len(keys), error)
-
-    def segment(self, stream: Stream, start: int) -> SegmentIndex:
-        """The index of the piece at `start`, read from storage only the first time.
-
-        Compaction may swap a pack in at `start` while the read yields (S3): the index
-        returned is always that of the piece `stream.piece_key(start)` names on return,
-        so a caller never reads one object's bytes at another's positions.
-        """
-        while True:
-            key = stream.piece_key(start)
-            index = self.indexes.get(key) or self.read_segment(stream, start)[0]
-            if stream.piece_key(start) == key:
-                return index
-
-    def _refresh(self, stream: Stream, *, only_next: bool = False) -> bool:
-        """Pick up segments other processes wrote after our tail (or the next); True if any.
-
-        Other greenlets may move the handle's tail while a segment is read (reads yield
-        on S3): a state read is adopted, and a segment that fails its checks dropped as
-        torn, only while the tail is still where the read began, so the handle never
-        goes back to an older state and no segment another read verified is dropped.
-        """
-        found, started = False, time.monotonic()
-        while not stream.state.closed:
-            position = stream.state.tail
-            if not self.objects.may_exist(stream.segment_key(position)):
-                break
-            try:
-                index, state = self.read_segment(stream, position, whole=True)
-                state = self._whole_state(stream, state)
-            except FileNotFoundError:
-                break
-            except CorruptSegment as error:
-                if stream.state.tail == position:  # else it was read whole meanwhile
-                    self._drop_torn(stream.segment_key(position), error)
-                break
-            stream.add_start(index.start)
-            if stream.state.tail == position:
-                stream.state = state
-            found = True
-            if index.end == index.start or only_next:
-                break
-        stream.refreshed_at = started
-        if found:
-            stream.notify()
-        return found
-
-    def _catch_up(self, stream: Stream) -> None:
-        """After a lost race, adopt the state of the last segment written since our tail.
-
-        Read one by one, the new segments cost a request each, and a process that keeps
-        winning writes them as fast as the loser reads: in a two-worker test on moto the
-        loser chased the tail for seconds, lost again, and answered 503. One listing
-        names every segment after our tail (create-only writes at the tail make each of
-        them part of the stream), and the last one holds the stream's state. The next
-        try goes straight to the new tail; if the winner wrote again meanwhile, it
-        loses and lists again.
-        """
-        tail = stream.state.tail
-        names = self.objects.list_after(f"{stream.prefix}/seg", segment_name(tail))
-        starts = [tail, *(int(name) for name in names if name.isdigit())]
-        try:
-            _, state = self.read_segment(stream, starts[-1], whole=True)
-            state = self._whole_state(stream, state)
-        except (FileNotFoundError, CorruptSegment):  # removed or torn: the careful way
-            self._refresh(stream)
-            return
-        # Further on, or closed where we stand (another process's close is an empty
-        # segment at our tail); else a reader's refresh got further meanwhile.
-        if (state.tail, state.closed) > (stream.state.tail, stream.state.closed):
-            for start in starts:
-                stream.add_start(start)
-            stream.state = state
-            stream.notify()
 
     # -- create --------------------------------------------------------------------------
 
@@ -714,7 +464,7 @@ class StreamStore:
             if _younger(self.objects.modified(f"{source.prefix}/trimming/{name}"))
         ]
         names += self.objects.list(f"{source.prefix}/trim")
-        earliest = _highest_offset(names, default=0)
+        earliest = highest_offset(names, default=0)
         if earliest <= origin.earliest:
             return
         if origin.point < earliest:
@@ -791,7 +541,7 @@ class StreamStore:
             raise StreamConflict(f"fork source {request.fork_source} was deleted") from error
         if source.depth >= MAX_FORK_DEPTH:
             raise InvalidRequest(f"forks of forks go at most {MAX_FORK_DEPTH} deep")
-        self._refresh(source)
+        self.pieces.refresh(source)
         offset = source.state.tail if request.fork_offset is None else request.fork_offset
         if offset > source.state.tail:
             raise InvalidRequest("Stream-Fork-Offset is beyond the source's tail")
@@ -842,7 +592,7 @@ class StreamStore:
         if stream.source is not None and offset < stream.base:
             end, messages = self._append_at(stream.source, offset)
             return min(end, stream.base), [m for m in messages if m <= stream.base]
-        index = self._piece_holding(stream, offset)
+        index = self.pieces.piece_holding(stream, offset)
         if index is None or offset >= stream.state.tail:
             raise InvalidRequest("Stream-Fork-Sub-Offset names data past the source's tail")
         start, end = index.append_around(offset)
@@ -888,7 +638,7 @@ class StreamStore:
             batch, stream.pending = _take_batch(stream.pending)
             try:
                 if waited:  # the process we waited for has most likely written at our tail
-                    self._refresh(stream, only_next=True)  # a lost create reads any more
+                    self.pieces.refresh(stream, only_next=True)  # a lost create reads any more
                 self._commit(stream, batch)
             except Exception as error:  # storage failed: nothing in the batch is acknowledged
                 _fail_unanswered(batch, error)
@@ -907,7 +657,7 @@ class StreamStore:
         while True:
             plan = self._plan(stream, batch)
             if not plan.writes:
-                if not refreshed and self._refresh(stream):
+                if not refreshed and self.pieces.refresh(stream):
                     refreshed = True
                     continue
                 break
@@ -925,7 +675,7 @@ class StreamStore:
                     ) from None
                 if losses > 2:  # spread retries out so a burst of writers interleaves
                     gevent.sleep(random.uniform(0, min(0.002 * 2**losses, 0.25)))
-                self._catch_up(stream)
+                self.pieces.catch_up(stream)
                 refreshed = True
                 continue
             except FileNotFoundError as error:  # the stream's directory was deleted under us
@@ -935,8 +685,8 @@ class StreamStore:
             self._announce(stream.info())
             for observe in self.commit_observers:
                 observe(len(batch))
-            compaction.maybe_compact(self, stream)
-            retention.schedule_trim(self, stream)
+            compaction.maybe_compact(self.pieces, stream)
+            retention.schedule_trim(self.pieces, self.publish_trim, stream)
             break
         for pending, outcome in zip(batch, plan.outcomes, strict=True):
             if isinstance(outcome, StoreError):
@@ -969,17 +719,17 @@ class StreamStore:
         try:
             self.objects.create(key, data, verified_on_load=True)
         except FileExistsError:
-            if self._read_piece(key, whole=True)[0].token != token:
+            if self.pieces.read_piece(key, whole=True)[0].token != token:
                 if snapshot is not None:  # written for this attempt alone: nothing names it
-                    self._delete_quietly([snapshot])
+                    self.pieces.delete_quietly([snapshot])
                 raise
             # Our own earlier attempt landed; only its answer was lost.
         finally:
             stream.creating = None
         if snapshot is not None and previous_snapshot is not None:
-            self.delete_later([previous_snapshot])
-        self.cache.put(key, data)
-        self.indexes.put(key, index, index.nbytes)  # live readers want it next
+            self.pieces.delete_later([previous_snapshot])
+        self.pieces.cache.put(key, data)
+        self.pieces.indexes.put(key, index, index.nbytes)  # live readers want it next
         stream.add_start(start)
         if stream.state.tail == start:  # else a refresh read this segment and went further
             stream.state = plan.state
@@ -1059,20 +809,13 @@ class StreamStore:
 
     def head(self, path: str) -> StreamInfo:
         stream = self._open(path)
-        self._refresh_if_reachable(stream)
+        self.pieces.refresh_if_reachable(stream)
         return stream.info()
-
-    def _refresh_if_reachable(self, stream: Stream) -> None:
-        """Refresh, or go on with what this process knows while storage is down."""
-        try:
-            self._refresh(stream)
-        except StorageUnavailable as error:
-            log.warning("serving %s from memory: %s", stream.config.path, error)
 
     def touch(self, path: str) -> StreamInfo:
         """Renew a sliding TTL (reads that return no data still count as use)."""
         stream = self._open(path, touch=True)
-        self._refresh(stream)
+        self.pieces.refresh(stream)
         return stream.info()
 
     def read(
@@ -1102,9 +845,9 @@ class StreamStore:
         most = max_bytes or self.settings.max_read_bytes
         current = True
         reaches_tail = _read_start(stream, offset) + most >= stream.state.tail
-        if reaches_tail and not self._tail_confirmed(stream, freshness):
+        if reaches_tail and not self.pieces.tail_confirmed(stream, freshness):
             try:
-                self._refresh(stream)  # the answer may reach the tail: say up-to-date truly
+                self.pieces.refresh(stream)  # the answer may reach the tail: say up-to-date truly
             except StorageUnavailable:
                 if _read_start(stream, offset) >= stream.state.tail:
                     raise
@@ -1116,7 +859,7 @@ class StreamStore:
             end, slices = self._plan_read(stream, start, min(tail, start + most))
             data = _first_taken_now(self._byte_chunks(slices))
         except FileNotFoundError as error:
-            self._raise_if_deleted(stream, error)
+            self.pieces.raise_if_deleted(stream, error)
             raise
         chunks = self._json_chunks(data) if stream.is_json else data
         return ReadResult(stream.info(), start, end, chunks, current and end == tail)
@@ -1149,8 +892,8 @@ class StreamStore:
         """
         poll_interval = self.settings.poll_interval
         stream = self._open(path, touch=True, max_age=poll_interval, incarnation=incarnation)
-        if offset >= stream.state.tail and not self._tail_confirmed(stream, poll_interval):
-            self._refresh_if_reachable(stream)
+        if offset >= stream.state.tail and not self.pieces.tail_confirmed(stream, poll_interval):
+            self.pieces.refresh_if_reachable(stream)
         offset = min(offset, stream.state.tail)  # past the tail waits at it (see `read`)
         if offset < stream.earliest:
             raise OffsetTrimmed(stream.earliest)
@@ -1168,10 +911,6 @@ class StreamStore:
         finally:
             stream.waiters -= 1
         return stream.info()
-
-    @staticmethod
-    def _tail_confirmed(stream: Stream, within: float) -> bool:
-        return time.monotonic() - stream.refreshed_at < within
 
     def _poll(self, stream: Stream) -> None:
         """While readers wait, look for segments written by other processes.
@@ -1195,8 +934,8 @@ class StreamStore:
                     was_nudged = nudged.wait(self.settings.watched_poll_interval)
                     nudged.clear()
                 try:
-                    found = self._refresh(stream)
-                    if was_nudged and not found and self._deleted_elsewhere(stream):
+                    found = self.pieces.refresh(stream)
+                    if was_nudged and not found and self.pieces.deleted_elsewhere(stream):
                         stream.end_waits()  # its segment directory went: 404 now, not at timeout
                 except StorageUnavailable:
                     continue
@@ -1241,7 +980,7 @@ class StreamStore:
             return True
         if stream.source is not None and offset < stream.base:
             return self._is_boundary(stream.source, offset)
-        index = self._piece_holding(stream, offset)
+        index = self.pieces.piece_holding(stream, offset)
         return index is not None and (offset == index.start or index.is_end(offset, stream.is_json))
 
     def _unit_start(self, stream: Stream, offset: int) -> int:
@@ -1252,14 +991,10 @@ class StreamStore:
             return offset
         if stream.source is not None and offset < stream.base:
             return self._unit_start(stream.source, offset)
-        index = self._piece_holding(stream, offset)
+        index = self.pieces.piece_holding(stream, offset)
         if index is None or not index.start <= offset < index.end:
             return offset  # the read's slices meet the gap and answer 503
         return index.start_around(offset, stream.is_json)
-
-    def _piece_holding(self, stream: Stream, offset: int) -> SegmentIndex | None:
-        position = bisect.bisect_right(stream.starts, offset) - 1
-        return self.segment(stream, stream.starts[position]) if position >= 0 else None
 
     def _end_before(self, stream: Stream, start: int, limit: int) -> int:
         """The last message (or append) end in (start, limit], or the first after `start`:
@@ -1286,7 +1021,7 @@ class StreamStore:
             range(last, max(first, 0) - 1, -1) if backward else range(max(first, 0), len(starts))
         )
         for position in order:
-            index = self.segment(stream, starts[position])
+            index = self.pieces.segment(stream, starts[position])
             found = (
                 index.last_end(start, limit, messages)
                 if backward
@@ -1305,16 +1040,16 @@ class StreamStore:
         if start >= end:
             return pieces
         if end > stream.state.tail:
-            self._refresh(stream)
+            self.pieces.refresh(stream)
         while start < end:
             # Found anew for each piece: reading an index may yield, and compaction may
             # replace `stream.starts` meanwhile; a position into the old list would skip.
             piece = bisect.bisect_right(stream.starts, start) - 1
-            index = self.segment(stream, stream.starts[piece]) if piece >= 0 else None
+            index = self.pieces.segment(stream, stream.starts[piece]) if piece >= 0 else None
             if index is None or not index.start <= start < index.end:
                 stream.indexed_at = 0.0  # re-list before the next request
                 gap = StorageUnavailable(f"index of {stream.config.path} has a gap at {start}")
-                self._raise_if_deleted(stream, gap)  # listed while a delete removed pieces
+                self.pieces.raise_if_deleted(stream, gap)  # listed while a delete removed pieces
                 raise gap
             length = min(end, index.end) - start
             key = stream.piece_key(index.start)
@@ -1327,10 +1062,10 @@ class StreamStore:
     def _byte_chunks(self, slices: list[tuple[str, int, int, int]]) -> Iterator[bytes]:
         """Small objects come whole through the cache; large ones stream in chunks."""
         for key, position, length, size in slices:
-            data = self.cache.get(key)
-            if data is None and size <= self.cache.capacity_bytes // 8:
+            data = self.pieces.cache.get(key)
+            if data is None and size <= self.pieces.cache.capacity_bytes // 8:
                 data = self.objects.read(key)
-                self.cache.put(key, data)
+                self.pieces.cache.put(key, data)
             if data is None:
                 yield from self.objects.iter_range(key, position, length)
             else:
@@ -1549,11 +1284,6 @@ class StreamStore:
 def _fork_marker(source: Stream, fork: Stream) -> str:
     """The key of the object that tells deletes of `source` that `fork` reads it."""
     return f"{source.prefix}/forks/{fork.key}+{fork.config.incarnation}"
-
-
-def _highest_offset(names: list[str], *, default: int) -> int:
-    """The highest offset among marker names (`trim/<offset>`, `trimming/<offset>`)."""
-    return max((int(name) for name in names if name.isdigit()), default=default)
 
 
 def _younger(modified: float | None) -> bool:

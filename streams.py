@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import functools
 import hashlib
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -432,6 +433,7 @@ class Stream:
         self.starts, self.keys = starts, keys
         self.state, self.earliest = state, earliest
         self.unpacked = len(starts) - len(keys)
+        self.indexed_at = time.monotonic()
 
     # -- housekeeping: compaction.py and retention.py, one at a time
 
@@ -541,3 +543,8 @@ def read_config(objects: ObjectStore, key: str) -> StreamConfig | None:
         return StreamConfig.from_json(objects.read(meta_key(key)))
     except (FileNotFoundError, orjson.JSONDecodeError, TypeError, KeyError):
         return None
+
+
+def highest_offset(names: list[str], *, default: int) -> int:
+    """The highest offset among marker names (`trim/<offset>`, `trimming/<offset>`)."""
+    return max((int(name) for name in names if name.isdigit()), default=default)

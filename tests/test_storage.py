@@ -242,7 +242,7 @@ def segment_per_message(make_store: MakeStore, *, messages: int, indexes_kept: i
     store.create("events", CreateRequest(JSON))
     for number in range(messages):
         append_json(store, "events", number)
-    store.indexes = ObjectCache(store.indexes.capacity_bytes)  # as after a busy while
+    store.pieces.indexes = ObjectCache(store.pieces.indexes.capacity_bytes)  # as after a busy while
     return store
 
 
@@ -250,11 +250,11 @@ def test_json_boundaries_hold_once_old_segment_indexes_are_forgotten(
     make_store: MakeStore,
 ) -> None:
     store = segment_per_message(make_store, messages=30, indexes_kept=4)
-    capacity = store.indexes.capacity_bytes
+    capacity = store.pieces.indexes.capacity_bytes
     assert read_all(store, "events") == b"[" + b",".join(b"%d" % n for n in range(30)) + b"]"
     assert read_all(store, "events", 2).startswith(b"[1,2,3,")
     assert read_all(store, "events", 1).startswith(b"[0,1,2,")  # inside the first message
-    assert 0 < store.indexes.size_bytes <= capacity
+    assert 0 < store.pieces.indexes.size_bytes <= capacity
 
 
 def compact_when_reading(store: StreamStore, path: str, at: int) -> list[int]:
@@ -263,19 +263,19 @@ def compact_when_reading(store: StreamStore, path: str, at: int) -> list[int]:
     Returns a list that holds the number of pieces before packing once it happened.
     Reading an index yields on S3, and compaction may swap the pieces meanwhile.
     """
-    handle, read_segment = store._streams[path], store.read_segment
+    handle, read_segment = store._streams[path], store.pieces.read_segment
     packed: list[int] = []
 
     def reading(stream: object, start: int, **options: bool) -> object:
         found = read_segment(stream, start, **options)
         if not packed and start == at:
             packed.append(len(handle.starts))
-            store.read_segment = read_segment  # type: ignore[method-assign]
-            compaction._compact(store, handle)
-            store.read_segment = reading  # type: ignore[method-assign]
+            store.pieces.read_segment = read_segment  # type: ignore[method-assign]
+            compaction._compact(store.pieces, handle)
+            store.pieces.read_segment = reading  # type: ignore[method-assign]
         return found
 
-    store.read_segment = reading  # type: ignore[method-assign]
+    store.pieces.read_segment = reading  # type: ignore[method-assign]
     return packed
 
 
@@ -1012,7 +1012,7 @@ def test_a_pack_that_another_store_trims_through_serves_the_rest(make_store: Mak
     for data in (b"bb", b"cc", b"dd"):
         append_text(packer, "log", data)
     trimmed = trimmer._checked_handle("log")
-    compaction._compact(packer, packer._streams["log"])
+    compaction._compact(packer.pieces, packer._streams["log"])
     assert trimmer.publish_trim(trimmed, 2)
     packer.objects.delete_many([trimmed.segment_key(start) for start in (0, 2, 4)])
     assert read_all(make_store(), "log") == b"bbccdd"
@@ -1032,8 +1032,8 @@ def test_packs_two_stores_made_over_each_other_serve_all_they_hold(
         append_text(first, "log", data)
     unaware = second._checked_handle("log")
     for _ in range(2):
-        compaction._compact(first, first._streams["log"])
-    compaction._compact(second, unaware)
+        compaction._compact(first.pieces, first._streams["log"])
+    compaction._compact(second.pieces, unaware)
     first.objects.delete_many([unaware.segment_key(start) for start in range(0, 12, 2)])
     assert read_all(make_store(), "log") == b"aabbccddeeffgghh"
 
@@ -1126,7 +1126,7 @@ class HeldRefresh:
 
 
 def hold_refresh(store: StreamStore, path: str, start: int, *, fails: bool = False) -> HeldRefresh:
-    handle, read_segment = store._streams[path], store.read_segment
+    handle, read_segment = store._streams[path], store.pieces.read_segment
     refresh = HeldRefresh(gevent.Greenlet(store.head, path), Event(), Event(), [])
 
     def reading(stream: object, at: int, **options: bool) -> object:
@@ -1141,7 +1141,7 @@ def hold_refresh(store: StreamStore, path: str, start: int, *, fails: bool = Fal
                 raise CorruptSegment("made to fail its checks")
         return found
 
-    store.read_segment = reading  # type: ignore[method-assign]
+    store.pieces.read_segment = reading  # type: ignore[method-assign]
     refresh.greenlet.start()
     assert refresh.held.wait(WAIT_TIMEOUT_SECONDS)
     return refresh
