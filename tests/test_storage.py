@@ -16,7 +16,7 @@ import os
 import time
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 import fsspec
@@ -26,6 +26,7 @@ import pytest
 from conftest import NEEDS_INOTIFY
 from gevent.event import Event
 
+import commits
 import compaction
 import localdisk
 import storage
@@ -84,7 +85,7 @@ def make_store(storage_url: str) -> MakeStore:
         fsspec.AbstractFileSystem.clear_instance_cache()
         for implementation in fsspec.registry.values():
             implementation.clear_instance_cache()
-        store_settings = StoreSettings(poll_interval=POLL_INTERVAL, **settings)
+        store_settings = StoreSettings(**{"poll_interval": POLL_INTERVAL, **settings})
         return StreamStore(ObjectStore(storage_url), store_settings)
 
     return make
@@ -443,7 +444,7 @@ def test_a_small_append_writes_a_bounded_part_of_the_producer_table(
     objects, handle = ObjectStore(storage_url), store._streams["crowd"]
     sizes = [len(objects.read(handle.segment_key(start))) for start in range(tail + 1)]
     # The table is 90 KB; every segment carries at most the changes since a snapshot.
-    assert max(sizes) < storage.PRODUCER_CHANGES_BYTES + 2 * streams.PRODUCER_ENTRY_BYTES + 1024
+    assert max(sizes) < commits.PRODUCER_CHANGES_BYTES + 2 * streams.PRODUCER_ENTRY_BYTES + 1024
 
     restarted = make_store()  # state from the last segment and the snapshot it names
     assert append_text(restarted, "crowd", b"z", producer=Producer(ids[7], 0, 0)).duplicate
@@ -455,13 +456,13 @@ def test_a_small_append_writes_a_bounded_part_of_the_producer_table(
 
 def test_idle_and_surplus_producers_are_forgotten_oldest_first() -> None:
     now = 2_000_000_000.0
-    idle = now - storage.PRODUCER_IDLE_SECONDS - 1
+    idle = now - commits.PRODUCER_IDLE_SECONDS - 1
     producers = {"idle": (0, 5, int(idle))}
-    producers.update({f"p{n}": (0, n, int(now) - n) for n in range(storage.MAX_PRODUCERS + 2)})
-    storage._forget_producers(producers, now)
-    assert len(producers) == storage.MAX_PRODUCERS
+    producers.update({f"p{n}": (0, n, int(now) - n) for n in range(commits.MAX_PRODUCERS + 2)})
+    commits._forget_producers(producers, now)
+    assert len(producers) == commits.MAX_PRODUCERS
     assert "idle" not in producers and "p0" in producers
-    assert f"p{storage.MAX_PRODUCERS}" not in producers  # the two used longest ago
+    assert f"p{commits.MAX_PRODUCERS}" not in producers  # the two used longest ago
 
 
 def test_forks_of_forks_go_only_so_deep(make_store: MakeStore) -> None:
@@ -505,7 +506,7 @@ def test_a_json_fork_is_never_cut_inside_a_message(make_store: MakeStore) -> Non
 def test_a_batch_of_many_large_appends_commits_in_bounded_segments(
     make_store: MakeStore, monkeypatch: pytest.MonkeyPatch, storage_url: str
 ) -> None:
-    monkeypatch.setattr(storage, "MAX_BATCH_BYTES", 1000)
+    monkeypatch.setattr(commits, "MAX_BATCH_BYTES", 1000)
     store = make_store()
     store.create("big", CreateRequest(TEXT))
     pieces = [bytes([65 + n]) * 400 for n in range(10)]
@@ -1024,9 +1025,7 @@ def test_packs_two_stores_made_over_each_other_serve_all_they_hold(
     """One node packed [0, 6) then [6, 12); another, which had seen neither, packed
     [0, 10). Once each has removed the segments it replaced, [10, 12) is only in the
     first node's second pack, which starts inside the other node's."""
-    first, second = make_store(), make_store()
-    first.settings = replace(first.settings, compact_max_segments=3)
-    second.settings = replace(second.settings, compact_max_segments=5)
+    first, second = make_store(compact_max_segments=3), make_store(compact_max_segments=5)
     first.create("log", CreateRequest(TEXT, payload=Payload(b"aa")))
     for data in (b"bb", b"cc", b"dd", b"ee", b"ff", b"gg", b"hh"):
         append_text(first, "log", data)
@@ -1261,8 +1260,7 @@ def test_a_read_after_a_wait_takes_the_stream_as_fresh_as_the_wait_did(
     """A live reader fetching what its wait announced makes no storage request for it:
     a tail this store confirmed within the poll interval is taken as it is, as the wait
     takes it. A plain read always looks for other stores' appends."""
-    ours, theirs = make_store(), make_store()
-    ours.settings = replace(ours.settings, poll_interval=JOIN_TIMEOUT_SECONDS)
+    ours, theirs = make_store(poll_interval=JOIN_TIMEOUT_SECONDS), make_store()
     ours.create("live", CreateRequest(TEXT, payload=Payload(b"0")))
     append_text(ours, "live", b"1")  # our own create at the tail confirms it
     append_text(theirs, "live", b"2")
@@ -1413,9 +1411,8 @@ def test_an_appender_killed_while_it_commits_fails_its_batch_and_hands_on_the_re
     """The first append to find the stream idle commits its batch itself; if that
     request's greenlet dies mid-commit (a server stopping), the appends in its batch are
     answered with an error, not left waiting, and those queued after it are written."""
-    store = make_store()
+    store = make_store(linger_fraction=1.0)  # a batch forms meanwhile
     store.create("live", CreateRequest(TEXT, payload=Payload(b"0")))
-    store.settings = replace(store.settings, linger_fraction=1.0)  # a batch forms meanwhile
     handle = store._streams["live"]
     handle.write_seconds = 10.0  # so the first waits the 50 ms at most
     committing = slow_creates(store, 1.0)

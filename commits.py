@@ -1,0 +1,376 @@
+"""Appends: validated in batches, written as one segment each, answered once durable.
+
+The group commit. One writer per stream per process takes every pending append,
+validates them in order against the stream's state (closed, content type, producer
+epoch and sequence, Stream-Seq), writes them as one segment at the tail, and only then
+answers them all; appends that come meanwhile form the next batch. The create-only
+write at the tail is the fence between processes and nodes: a writer that loses reads
+what the winner wrote (`Pieces.catch_up`) and validates its batch again. Processes of
+one machine take turns at a stream's commits (streamlocks.py) so none starves.
+
+Producer state travels in the segments with the data it describes, so the two never
+disagree after a crash; a segment carries only the producer entries changed since the
+table's last snapshot (an object of its own, written before the segment naming it).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import operator
+import os
+import random
+import time
+from array import array
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import gevent
+
+from objectstore import StorageUnavailable
+from pieces import Pieces
+from segments import ProducerEntry, StreamState, encode_producer_table, encode_segment, positions
+from streams import (
+    PRODUCER_ENTRY_BYTES,
+    AppendRequest,
+    AppendResult,
+    InvalidRequest,
+    Payload,
+    Pending,
+    Producer,
+    ProducerFenced,
+    ProducerGap,
+    StoreError,
+    Stream,
+    StreamClosed,
+    StreamConflict,
+    StreamInfo,
+    StreamNotFound,
+    media_type,
+    segment_name,
+)
+
+if TYPE_CHECKING:
+    from streamlocks import StreamLocks
+
+log = logging.getLogger("picomq.storage")
+
+CONTENTION_LIMIT_SECONDS = 5.0
+# A batch is committed as one segment, whose positions are u32 (segments.py): at most
+# this much data, or one append if larger.
+MAX_BATCH_BYTES = 64 * 1024 * 1024
+# Idempotent producers (see `_snapshot_producers_if_due` and `_forget_producers`).
+MAX_PRODUCERS = 1000
+PRODUCER_IDLE_SECONDS = 7 * 24 * 3600  # as the reference server and Kafka's default
+PRODUCER_CHANGES_BYTES = 16 * 1024
+ENCODED_ENTRY_BYTES = 40  # an entry's quotes, brackets and numbers, besides its id
+INTERRUPTED_APPEND = "the append was interrupted; it may have been written"
+
+
+class Commits:
+    """The writers of this process's streams."""
+
+    def __init__(
+        self,
+        pieces: Pieces,
+        writer_locks: StreamLocks | None,
+        committed: Callable[[Stream, int], None],
+    ) -> None:
+        """`writer_locks` make the processes of one machine that write a stream take
+        turns (streamlocks.py); without them a single process pays nothing for it.
+        `committed(stream, appends)` runs after each commit."""
+        self.pieces = pieces
+        self.objects = pieces.objects
+        self.settings = pieces.settings
+        self.writer_locks = writer_locks
+        self.committed = committed
+
+    def append(self, stream: Stream, request: AppendRequest) -> AppendResult:
+        """Queue an append for the stream's writer and wait until it is durable.
+
+        An append that finds the stream without a writer commits its batch itself: a
+        writer greenlet of its own cost every lone append a turn of the event loop
+        (0.05 ms of a live event). Appends queued meanwhile get a writer greenlet.
+        """
+        pending = Pending(request)
+        stream.pending.append(pending)
+        if not stream.writing:
+            stream.writing = True
+            self._write_and_hand_on(stream)
+            if stream.waiters:
+                gevent.sleep(0)  # the live readers just woken send their event first
+        return pending.result.get()
+
+    def _write_and_hand_on(self, stream: Stream) -> None:
+        try:
+            self._write_batch(stream)
+        finally:
+            if stream.pending:
+                gevent.spawn(self._write_and_hand_on, stream)
+            else:
+                stream.writing = False
+
+    def _write_batch(self, stream: Stream) -> None:
+        if self.settings.linger_fraction:
+            # Let the writers just answered send their next append: one batch instead
+            # of two cohorts taking turns (object stores bill per PUT).
+            gevent.sleep(min(self.settings.linger_fraction * stream.write_seconds, 0.05))
+        with self._writer_turn(stream) as waited:
+            # Taken once it is our turn: appends that came while we waited join it.
+            batch, stream.pending = _take_batch(stream.pending)
+            try:
+                if waited:  # the process we waited for has most likely written at our tail
+                    self.pieces.refresh(stream, only_next=True)  # a lost create reads any more
+                self._commit(stream, batch)
+            except Exception as error:  # storage failed: nothing in the batch is acknowledged
+                _fail_unanswered(batch, error)
+            except BaseException:  # the appender committing was killed: the others must not hang
+                _fail_unanswered(batch, StorageUnavailable(INTERRUPTED_APPEND))
+                raise
+
+    def _writer_turn(self, stream: Stream) -> AbstractContextManager[bool]:
+        if self.writer_locks is None:
+            return nullcontext(False)
+        return self.writer_locks.held(stream.prefix)
+
+    def _commit(self, stream: Stream, batch: list[Pending]) -> None:
+        """Validate, write one segment, and answer: the group commit."""
+        refreshed, first_loss, losses = False, 0.0, 0
+        while True:
+            plan = self._plan(stream, batch)
+            if not plan.writes:
+                if not refreshed and self.pieces.refresh(stream):
+                    refreshed = True
+                    continue
+                break
+            try:
+                started = time.monotonic()
+                self._write_segment(stream, plan)
+                stream.write_seconds = time.monotonic() - started
+            except FileExistsError:
+                # Another process wrote at our tail first: adopt its state and re-validate.
+                losses += 1
+                first_loss = first_loss or time.monotonic()
+                if time.monotonic() - first_loss > CONTENTION_LIMIT_SECONDS:
+                    raise StorageUnavailable(
+                        "another process keeps appending to this stream first; retry"
+                    ) from None
+                if losses > 2:  # spread retries out so a burst of writers interleaves
+                    gevent.sleep(random.uniform(0, min(0.002 * 2**losses, 0.25)))
+                self.pieces.catch_up(stream)
+                refreshed = True
+                continue
+            except FileNotFoundError as error:  # the stream's directory was deleted under us
+                raise StreamNotFound(f"stream {stream.config.path} was deleted") from error
+            stream.refreshed_at = started  # our create at the tail proves it was the true one
+            stream.notify()
+            self.committed(stream, len(batch))
+            break
+        for pending, outcome in zip(batch, plan.outcomes, strict=True):
+            if isinstance(outcome, StoreError):
+                pending.result.set_exception(outcome)
+            else:
+                pending.result.set(outcome)
+
+    def _write_segment(self, stream: Stream, plan: Plan) -> None:
+        """Create the segment at the tail; `FileExistsError` if another writer won."""
+        start = plan.start
+        # 128 random bits, as uuid4 has, without its object: that cost a lone commit
+        # about 4 µs of the store's 60 (appends over 1,000 streams, store alone).
+        token = os.urandom(16).hex()
+        previous_snapshot = plan.state.producer_snapshot
+        snapshot = self._snapshot_producers_if_due(stream, plan, token)
+        payload = b"".join(plan.payload)
+        data, index = encode_segment(
+            start, payload, plan.append_ends, plan.message_ends, plan.state, token=token
+        )
+        key = stream.segment_key(start)
+        stream.creating = start
+        try:
+            self.objects.create(key, data, verified_on_load=True)
+        except FileExistsError:
+            if self.pieces.read_piece(key, whole=True)[0].token != token:
+                if snapshot is not None:  # written for this attempt alone: nothing names it
+                    self.pieces.delete_quietly([snapshot])
+                raise
+            # Our own earlier attempt landed; only its answer was lost.
+        finally:
+            stream.creating = None
+        if snapshot is not None and previous_snapshot is not None:
+            self.pieces.delete_later([previous_snapshot])
+        self.pieces.cache.put(key, data)
+        self.pieces.indexes.put(key, index, index.nbytes)  # live readers want it next
+        stream.add_start(start)
+        if stream.state.tail == start:  # else a refresh read this segment and went further
+            stream.state = plan.state
+
+    def _snapshot_producers_if_due(self, stream: Stream, plan: Plan, token: str) -> str | None:
+        """Write the producer table as a snapshot once the changes since the last one
+        grow past PRODUCER_CHANGES_BYTES, so no segment carries more than that (and its
+        own batch's entries) however many producers the stream has had.
+
+        The snapshot is durable before the segment that names it is written. Idle and
+        surplus producers are forgotten here (`_forget_producers`). Returns the new
+        snapshot's key, or None when none was due.
+        """
+        state = plan.state
+        changed = state.producers_changed
+        if PRODUCER_ENTRY_BYTES * len(changed) <= PRODUCER_CHANGES_BYTES:
+            return None  # surely small: not worth measuring
+        if sum(map(len, changed)) + ENCODED_ENTRY_BYTES * len(changed) <= PRODUCER_CHANGES_BYTES:
+            return None
+        _forget_producers(state.producers, time.time())
+        key = f"{stream.prefix}/producers/{segment_name(plan.start)}-{token}"
+        self.objects.create(key, encode_producer_table(state.producers))
+        state.producer_snapshot, state.producers_changed = key, set()
+        return key
+
+    def _plan(self, stream: Stream, batch: list[Pending]) -> Plan:
+        plan = Plan(state=stream.state.copy())
+        for pending in batch:
+            try:
+                plan.outcomes.append(self._plan_one(stream, plan, pending.request))
+            except StoreError as error:
+                plan.outcomes.append(error)
+        return plan
+
+    def _plan_one(self, stream: Stream, plan: Plan, request: AppendRequest) -> AppendResult:
+        state = plan.state
+        producer = request.producer
+        if state.closed:
+            return self._closed_outcome(stream, state, request)
+        if request.payload is not None and media_type(request.content_type or "") != media_type(
+            stream.config.content_type
+        ):
+            raise StreamConflict("Content-Type does not match the stream's content type")
+        if producer is not None:
+            duplicate = _check_producer(state, producer)
+            if duplicate is not None:
+                return AppendResult(_info(stream, state), duplicate=True, producer=duplicate)
+        if request.stream_seq is not None:
+            if (
+                state.stream_seq is not None
+                and request.stream_seq.encode() <= state.stream_seq.encode()
+            ):
+                raise StreamConflict("Stream-Seq must increase")
+            state.stream_seq = request.stream_seq
+        if request.payload is not None:
+            _add_payload(plan, request.payload)
+        if producer is not None:
+            state.producers[producer.id] = (producer.epoch, producer.seq, int(time.time()))
+            state.producers_changed.add(producer.id)
+        if request.close:
+            state.closed = True
+            state.closer = (producer.id, producer.epoch, producer.seq) if producer else None
+        plan.writes = True
+        return AppendResult(_info(stream, state), producer=producer)
+
+    @staticmethod
+    def _closed_outcome(stream: Stream, state: StreamState, request: AppendRequest) -> AppendResult:
+        producer = request.producer
+        if producer is not None and state.closer == (producer.id, producer.epoch, producer.seq):
+            return AppendResult(_info(stream, state), duplicate=True, producer=producer)
+        if producer is None and request.payload is None and request.close:
+            return AppendResult(_info(stream, state), duplicate=True)
+        raise StreamClosed(state.tail)
+
+    def write_first(self, stream: Stream, payload: Payload, closed: bool) -> None:
+        """The segment a create writes when it has a body or closes at once."""
+        plan = Plan(state=stream.state.copy())
+        _add_payload(plan, payload)
+        plan.state.closed = closed
+        self._write_segment(stream, plan)
+
+
+@dataclass
+class Plan:
+    """The outcome of validating one batch against the current state.
+
+    Ends are relative to `start`, the tail the batch was planned at.
+    """
+
+    state: StreamState
+    start: int = -1
+    payload: list[bytes] = field(default_factory=list)
+    append_ends: array = field(default_factory=positions)
+    message_ends: array = field(default_factory=positions)
+    outcomes: list[object] = field(default_factory=list)
+    writes: bool = False
+
+    def __post_init__(self) -> None:
+        self.start = self.state.tail
+
+
+def _take_batch(pending: list[Pending]) -> tuple[list[Pending], list[Pending]]:
+    """The appends of the next segment (up to MAX_BATCH_BYTES, one at least), and the rest."""
+    size = 0
+    for taken, waiting in enumerate(pending):
+        payload = waiting.request.payload
+        size += len(payload.data) if payload is not None else 0
+        if size > MAX_BATCH_BYTES and taken:
+            return pending[:taken], pending[taken:]
+    return pending, []
+
+
+def _fail_unanswered(batch: list[Pending], error: Exception) -> None:
+    for pending in batch:
+        if not pending.result.ready():
+            pending.result.set_exception(error)
+
+
+def _info(stream: Stream, state: StreamState) -> StreamInfo:
+    """The stream's info at a planned state: every append's answer builds one.
+
+    A copy of the cached info's fields with two changed: `dataclasses.replace` walks
+    the fields and runs the frozen `__init__`, 2.8 µs against 0.45 (timeit)."""
+    info = object.__new__(StreamInfo)
+    info.__dict__.update(stream.info().__dict__, tail=state.tail, closed=state.closed)
+    return info
+
+
+def _add_payload(plan: Plan, payload: Payload) -> None:
+    position = plan.state.tail - plan.start
+    plan.payload.append(payload.data)
+    # 1,000 per batch, so one C-level pass. A message ends after its comma; a length
+    # plus one is mostly a cached small int, so the pass allocates once per message.
+    sizes = map(operator.add, payload.message_lengths, itertools.repeat(1))
+    ends = itertools.accumulate(sizes, initial=position)
+    next(ends)  # the start itself
+    plan.message_ends.extend(ends)
+    plan.state.tail += len(payload.data)
+    plan.append_ends.append(plan.state.tail - plan.start)
+
+
+def _forget_producers(producers: dict[str, ProducerEntry], now: float) -> None:
+    """Drop producers idle for PRODUCER_IDLE_SECONDS, then the longest idle beyond
+    MAX_PRODUCERS: a forgotten producer starts again at sequence 0 (or gets a 409)."""
+    idle = [key for key, (_, _, used) in producers.items() if used < now - PRODUCER_IDLE_SECONDS]
+    for key in idle:
+        del producers[key]
+    if len(producers) > MAX_PRODUCERS:
+        by_use = sorted(producers, key=lambda key: producers[key][2])
+        for key in by_use[: len(producers) - MAX_PRODUCERS]:
+            del producers[key]
+
+
+def _check_producer(state: StreamState, producer: Producer) -> Producer | None:
+    """Validate an idempotent producer; returns the recorded (epoch, seq) on a duplicate."""
+    current = state.producers.get(producer.id)
+    if current is None:
+        if producer.seq != 0:
+            raise ProducerGap(expected=0, received=producer.seq)
+        return None
+    epoch, seq, _ = current
+    if producer.epoch < epoch:
+        raise ProducerFenced(current_epoch=epoch)
+    if producer.epoch > epoch:
+        if producer.seq != 0:
+            raise InvalidRequest("a new Producer-Epoch must start at Producer-Seq 0")
+        return None
+    if producer.seq <= seq:
+        return Producer(producer.id, epoch, seq)
+    if producer.seq > seq + 1:
+        raise ProducerGap(expected=seq + 1, received=producer.seq)
+    return None
