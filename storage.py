@@ -37,8 +37,6 @@ packs, retention.py trims the head of streams that keep data by age or size.
 
 from __future__ import annotations
 
-import bisect
-import itertools
 import logging
 import time
 import uuid
@@ -49,13 +47,14 @@ from typing import TYPE_CHECKING
 from urllib.parse import unquote
 
 import gevent
-from gevent.event import AsyncResult, Event
+from gevent.event import AsyncResult
 
 import compaction
 import retention
 from commits import Commits
 from objectstore import ObjectStore, StorageUnavailable
 from pieces import Pieces
+from reads import Reads
 from segments import (
     StreamState,
 )
@@ -88,6 +87,7 @@ from streams import (
     segment_name,
     stream_key,
 )
+from waits import Waits
 
 if TYPE_CHECKING:
     from streamlocks import StreamLocks
@@ -122,6 +122,8 @@ class StreamStore:
         self.settings = settings or StoreSettings()
         self.pieces = Pieces(objects, self.settings)
         self.commits = Commits(self.pieces, writer_locks, self._committed)
+        self.reads = Reads(self.pieces)
+        self.waits = Waits(self.pieces)
         self._streams = Handles()
         self._building: dict[tuple[str, object], AsyncResult] = {}  # handles being loaded
         self.listeners: list[Callable[[StreamInfo], None]] = []
@@ -484,10 +486,10 @@ class StreamStore:
             raise InvalidRequest("Stream-Fork-Offset is beyond the source's tail")
         if offset < source.earliest:
             raise OffsetTrimmed(source.earliest)
-        if source.is_json and not self._is_boundary(source, offset):
+        if source.is_json and not self.reads.is_boundary(source, offset):
             # A fork cut inside a message would be invalid JSON for good once appended to.
             raise InvalidRequest("Stream-Fork-Offset is inside a JSON message")
-        point = self._sub_offset_point(source, offset, request.fork_sub_offset)
+        point = self.reads.sub_offset_point(source, offset, request.fork_sub_offset)
         if request.content_type and media_type(request.content_type) != media_type(
             source.config.content_type
         ):
@@ -510,32 +512,6 @@ class StreamStore:
             earliest=source.earliest,
         )
         return origin, source, inherited
-
-    def _sub_offset_point(self, stream: Stream, offset: int, sub_offset: int) -> int:
-        """The fork point `sub_offset` bytes (or JSON messages) into the append at `offset`."""
-        if sub_offset == 0:
-            return offset
-        append_end, message_ends = self._append_at(stream, offset)
-        if stream.is_json:
-            if sub_offset > len(message_ends):
-                raise InvalidRequest("Stream-Fork-Sub-Offset is past the end of that append")
-            return message_ends[sub_offset - 1]
-        if offset + sub_offset > append_end:
-            raise InvalidRequest("Stream-Fork-Sub-Offset is past the end of that append")
-        return offset + sub_offset
-
-    def _append_at(self, stream: Stream, offset: int) -> tuple[int, list[int]]:
-        """End of the append that starts at `offset`, and its message ends (JSON)."""
-        if stream.source is not None and offset < stream.base:
-            end, messages = self._append_at(stream.source, offset)
-            return min(end, stream.base), [m for m in messages if m <= stream.base]
-        index = self.pieces.piece_holding(stream, offset)
-        if index is None or offset >= stream.state.tail:
-            raise InvalidRequest("Stream-Fork-Sub-Offset names data past the source's tail")
-        start, end = index.append_around(offset)
-        if start != offset:
-            raise InvalidRequest("Stream-Fork-Offset is not the start of an append")
-        return end, index.ends_in(offset, end, messages=True)
 
     # -- append ----------------------------------------------------------------------------
 
@@ -582,260 +558,26 @@ class StreamStore:
         incarnation: str | None = None,
         after_wait: bool = False,
     ) -> ReadResult:
-        """Up to `max_bytes` from `offset` (None: the start), in whole JSON messages (or, in
-        other streams, whole appends), one at least; more only if that one is larger.
-
-        An offset inside a message (or append) reads from its start, and one past the
-        tail reads nothing, up to date: the reference server's answers to offsets it did
-        not give out, which the Yjs provider's server relies on.
+        """Up to `max_bytes` from `offset` (None: the start), as `Reads.read` says.
 
         `incarnation`: read only from that incarnation of the stream (see `_open`).
         `after_wait`: the read fetches what a `wait` just announced, and takes the
         stream as fresh as the wait did (a handle checked, or a tail confirmed, within
         `poll_interval`): a live event after this process's own append then costs no
-        storage request (three stats on local disk, 0.035 ms of a 1 ms event).
+        storage request.
         """
         freshness = self.settings.poll_interval if after_wait else 0.0
         stream = self._open(path, touch=True, max_age=freshness, incarnation=incarnation)
-        most = max_bytes or self.settings.max_read_bytes
-        current = True
-        reaches_tail = _read_start(stream, offset) + most >= stream.state.tail
-        if reaches_tail and not self.pieces.tail_confirmed(stream, freshness):
-            try:
-                self.pieces.refresh(stream)  # the answer may reach the tail: say up-to-date truly
-            except StorageUnavailable:
-                if _read_start(stream, offset) >= stream.state.tail:
-                    raise
-                current = False  # storage is down: serve what we know, claim nothing more
-        try:
-            # Again: retention may have trimmed meanwhile.
-            start = self._unit_start(stream, min(_read_start(stream, offset), stream.state.tail))
-            tail = stream.state.tail
-            end, slices = self._plan_read(stream, start, min(tail, start + most))
-            data = _first_taken_now(self._byte_chunks(slices))
-        except FileNotFoundError as error:
-            self.pieces.raise_if_deleted(stream, error)
-            raise
-        chunks = self._json_chunks(data) if stream.is_json else data
-        return ReadResult(stream.info(), start, end, chunks, current and end == tail)
-
-    def _plan_read(
-        self, stream: Stream, start: int, limit: int
-    ) -> tuple[int, list[tuple[str, int, int, int]]]:
-        """Where a read from `start` up to `limit` ends, and the pieces' slices it takes.
-
-        Reading the pieces' indexes here is where a stream that another process deleted
-        since it was opened shows.
-        """
-        end = self._end_before(stream, start, limit)
-        return end, self._slices(stream, start, end)
+        return self.reads.read(stream, offset, max_bytes or self.settings.max_read_bytes, freshness)
 
     def wait(
         self, path: str, offset: int, timeout: float, *, incarnation: str | None = None
     ) -> StreamInfo:
-        """Return once the stream has data past `offset` (or past the tail, if `offset` is
-        beyond it), is closed, or `timeout` passed.
-
-        A waiter learns of other processes' appends by looking for the next segment
-        (`_poll`), so a handle checked, or a tail confirmed, within `poll_interval` is
-        taken as it is: an SSE subscriber back for the next event costs no storage
-        request, which is what lets one worker follow a stream with thousands of
-        subscribers. A stream deleted in this process ends its waits (StreamNotFound;
-        StreamGone while forks keep it); one deleted by another process too, on local
-        disk with a watch (see `_poll`), else at the next wait, through `incarnation`
-        (see `_open`).
-        """
-        poll_interval = self.settings.poll_interval
-        stream = self._open(path, touch=True, max_age=poll_interval, incarnation=incarnation)
-        if offset >= stream.state.tail and not self.pieces.tail_confirmed(stream, poll_interval):
-            self.pieces.refresh_if_reachable(stream)
-        offset = min(offset, stream.state.tail)  # past the tail waits at it (see `read`)
-        if offset < stream.earliest:
-            raise OffsetTrimmed(stream.earliest)
-        deadline = time.monotonic() + timeout
-        stream.waiters += 1
-        try:
-            while stream.state.tail <= offset and not stream.state.closed:
-                if time.monotonic() >= deadline:
-                    break
-                if not stream.polling:
-                    stream.polling = True
-                    gevent.spawn(self._poll, stream)
-                stream.wakeups.wait(deadline)
-                stream.raise_if_retired()
-        finally:
-            stream.waiters -= 1
-        return stream.info()
-
-    def _poll(self, stream: Stream) -> None:
-        """While readers wait, look for segments written by other processes.
-
-        Where a watch on the segment directory can be added (local disk, Linux), it says
-        when to look, and a timed look every `watched_poll_interval` is the safety net.
-        Without one, look every `poll_interval`, as on object stores; a stream from
-        before directories were made at create has none until its first segment. A look
-        the watch asked for that finds no segment may be the directory's removal: when
-        meta.json is no longer this handle's, another process deleted the stream, and
-        its waiters end with a 404 instead of answering at their deadline.
-        """
-        nudged = Event()
-        stop_watching = self._watch(stream, nudged)
-        try:
-            while stream.waiters > 0 and not stream.state.closed:
-                was_nudged = False
-                if stop_watching is None:
-                    gevent.sleep(self.settings.poll_interval)
-                else:
-                    was_nudged = nudged.wait(self.settings.watched_poll_interval)
-                    nudged.clear()
-                try:
-                    found = self.pieces.refresh(stream)
-                    if was_nudged and not found and self.pieces.deleted_elsewhere(stream):
-                        stream.end_waits()  # its segment directory went: 404 now, not at timeout
-                except StorageUnavailable:
-                    continue
-                if found and stop_watching is None:
-                    stop_watching = self._watch(stream, nudged)
-        finally:
-            if stop_watching is not None:
-                stop_watching()
-            stream.polling = False
-
-    def _watch(self, stream: Stream, nudged: Event) -> Callable[[], None] | None:
-        """Set `nudged` when another process may have added a segment; None if unwatched."""
-
-        def on_create(name: str) -> None:
-            if self._may_be_news(stream, name):
-                nudged.set()
-
-        stop_watching = self.objects.watch_creates(f"{stream.prefix}/seg", on_create)
-        if stop_watching is not None:
-            nudged.set()  # a segment added before the watch has no event: look once now
-        return stop_watching
-
-    @staticmethod
-    def _may_be_news(stream: Stream, name: str) -> bool:
-        """Whether a new entry in the segment directory could be a segment we do not know.
-
-        Temporary files and segments behind the tail are not; nor is the one our writer
-        is creating: if another process took that name, our create fails and the writer
-        catches up and wakes the readers itself. Looking at our own would read back a
-        segment the writer has in hand, before its create even returned.
-        """
-        if not name:  # events were lost
-            return True
-        if not name.isdigit():
-            return False
-        start = int(name)
-        return start >= stream.state.tail and start != stream.creating
-
-    def _is_boundary(self, stream: Stream, offset: int) -> bool:
-        """Whether `offset` starts a JSON message (JSON streams) or an append (others)."""
-        if offset in (0, stream.state.tail, stream.base):
-            return True
-        if stream.source is not None and offset < stream.base:
-            return self._is_boundary(stream.source, offset)
-        index = self.pieces.piece_holding(stream, offset)
-        return index is not None and (offset == index.start or index.is_end(offset, stream.is_json))
-
-    def _unit_start(self, stream: Stream, offset: int) -> int:
-        """Where the JSON message (or, in other streams, the append) holding the byte at
-        `offset` starts: a read from inside one starts there, as the reference server's
-        do, and as the Yjs provider's server expects of the offsets it makes up."""
-        if offset in (0, stream.state.tail, stream.base):
-            return offset
-        if stream.source is not None and offset < stream.base:
-            return self._unit_start(stream.source, offset)
-        index = self.pieces.piece_holding(stream, offset)
-        if index is None or not index.start <= offset < index.end:
-            return offset  # the read's slices meet the gap and answer 503
-        return index.start_around(offset, stream.is_json)
-
-    def _end_before(self, stream: Stream, start: int, limit: int) -> int:
-        """The last message (or append) end in (start, limit], or the first after `start`:
-        a read ends on a whole message or append, and never returns nothing."""
-        if limit <= start:
-            return start
-        if stream.source is not None and start < stream.base:
-            if limit < stream.base:  # the fork point is an end: its source's data ends there
-                return min(self._end_before(stream.source, start, limit), stream.base)
-            own_end = self._own_end(stream, stream.base, limit, backward=True)
-            return own_end if own_end > stream.base else stream.base
-        found = self._own_end(stream, start, limit, backward=True)
-        if found > start:
-            return found
-        return self._own_end(stream, start, stream.state.tail, backward=False)
-
-    def _own_end(self, stream: Stream, start: int, limit: int, *, backward: bool) -> int:
-        # Walk this list even if compaction puts a shorter one in place while an index is
-        # read (S3): the pieces it names stay readable for the delete grace.
-        starts, messages = stream.starts, stream.is_json
-        first = bisect.bisect_right(starts, start) - 1
-        last = bisect.bisect_left(starts, limit) - 1
-        order = (
-            range(last, max(first, 0) - 1, -1) if backward else range(max(first, 0), len(starts))
-        )
-        for position in order:
-            index = self.pieces.segment(stream, starts[position])
-            found = (
-                index.last_end(start, limit, messages)
-                if backward
-                else index.first_end(start, messages)
-            )
-            if found is not None and found <= limit:
-                return found
-        return start
-
-    def _slices(self, stream: Stream, start: int, end: int) -> list[tuple[str, int, int, int]]:
-        """(object key, byte position, length) pieces that hold [start, end)."""
-        pieces: list[tuple[str, int, int, int]] = []
-        if stream.source is not None and start < stream.base:
-            pieces += self._slices(stream.source, start, min(end, stream.base))
-            start = stream.base
-        if start >= end:
-            return pieces
-        if end > stream.state.tail:
-            self.pieces.refresh(stream)
-        while start < end:
-            # Found anew for each piece: reading an index may yield, and compaction may
-            # replace `stream.starts` meanwhile; a position into the old list would skip.
-            piece = bisect.bisect_right(stream.starts, start) - 1
-            index = self.pieces.segment(stream, stream.starts[piece]) if piece >= 0 else None
-            if index is None or not index.start <= start < index.end:
-                stream.indexed_at = 0.0  # re-list before the next request
-                gap = StorageUnavailable(f"index of {stream.config.path} has a gap at {start}")
-                self.pieces.raise_if_deleted(stream, gap)  # listed while a delete removed pieces
-                raise gap
-            length = min(end, index.end) - start
-            key = stream.piece_key(index.start)
-            byte_position = index.payload_position + start - index.start
-            size = index.payload_position + index.end - index.start
-            pieces.append((key, byte_position, length, size))
-            start += length
-        return pieces
-
-    def _byte_chunks(self, slices: list[tuple[str, int, int, int]]) -> Iterator[bytes]:
-        """Small objects come whole through the cache; large ones stream in chunks."""
-        for key, position, length, size in slices:
-            data = self.pieces.cache.get(key)
-            if data is None and size <= self.pieces.cache.capacity_bytes // 8:
-                data = self.objects.read(key)
-                self.pieces.cache.put(key, data)
-            if data is None:
-                yield from self.objects.iter_range(key, position, length)
-            else:
-                yield data[position : position + length]
-
-    @staticmethod
-    def _json_chunks(data: Iterator[bytes]) -> Iterator[bytes]:
-        """Stored messages each end with ',': the array is '[' + bytes minus the last ',' + ']'."""
-        yield b"["
-        held = b""
-        for chunk in data:
-            if held:
-                yield held
-            held = chunk
-        yield held[:-1] + b"]"
+        """Return once the stream has data past `offset`, is closed, or `timeout` passed
+        (waits.py); `incarnation` as for `read`."""
+        max_age = self.settings.poll_interval  # a waiter learns of news by polling anyway
+        stream = self._open(path, touch=True, max_age=max_age, incarnation=incarnation)
+        return self.waits.wait(stream, offset, timeout)
 
     # -- listing --------------------------------------------------------------------------
 
@@ -1044,25 +786,6 @@ def _fork_marker(source: Stream, fork: Stream) -> str:
 def _younger(modified: float | None) -> bool:
     """Whether a marker modified then (None: gone) may still be one being acted on."""
     return time.time() - (modified or 0.0) < FORK_MARKER_SECONDS
-
-
-def _read_start(stream: Stream, offset: int | None) -> int:
-    """Where a read from `offset` (None: the earliest retained) starts; 410 if trimmed."""
-    start = stream.earliest if offset is None else offset
-    if start < stream.earliest:
-        raise OffsetTrimmed(stream.earliest)
-    return start
-
-
-def _first_taken_now(chunks: Iterator[bytes]) -> Iterator[bytes]:
-    """`chunks`, the first one read before the answer starts.
-
-    The rest is read as the answer is sent; if another process deletes the stream
-    meanwhile, the answer is cut. Taking the first now makes a read of one piece, as
-    most live reads are, either whole or a 404.
-    """
-    first = next(chunks, None)
-    return chunks if first is None else itertools.chain((first,), chunks)
 
 
 def _either(value: int | None, default: int | None) -> int | None:

@@ -1376,7 +1376,7 @@ def test_which_new_files_send_a_waiting_reader_to_look(
     store.create("live", CreateRequest(TEXT, payload=Payload(b"0")))
     handle = store._streams["live"]
     handle.creating = creating
-    assert store._may_be_news(handle, name) is news
+    assert store.waits.may_be_news(handle, name) is news
 
 
 def test_the_readers_an_append_wakes_run_before_it_is_answered(make_store: MakeStore) -> None:
