@@ -8,31 +8,28 @@ never rewritten):
     <root>/streams/<key>/<incarnation>/seg/<pos>    segment whose first byte is at <pos>
     <root>/streams/<key>/<incarnation>/pack/<a>-<b> run of segments covering [a, b)
                                                     (compaction.py)
+    <root>/streams/<key>/<incarnation>/producers/<pos>-<token>
+                                                    a producer table the segments after
+                                                    <pos> build on (commits.py)
     <root>/streams/<key>/<incarnation>/trim/<pos>   retention dropped the data before <pos>
                                                     (retention.py)
-    <root>/streams/<key>/<incarnation>/trimming/<pos>
-                                                    retention's intent while it looks for forks
-    <root>/streams/<key>/<incarnation>/gone         soft-delete tombstone (forks still read)
-    <root>/streams/<key>/<incarnation>/deleting     a DELETE has begun: forks are refused
-    <root>/streams/<key>/<incarnation>/forks/<key>+<incarnation>
-                                                    one marker per fork that reads from it
     <root>/streams/<key>/<incarnation>/touched      sliding-TTL access marker (mtime)
+    <root>/streams/<key>/<incarnation>/...          deleting, gone, forks/, trimming/:
+                                                    the markers of lifecycle.py
 
-<key> is the stream path percent-encoded into one name (or hashed when long), so no
-input can name a file outside the root. Offsets are byte positions in the stream,
-and a segment's name is the offset it starts at, so the next segment of a stream is
-always named by its tail: a writer creates `seg/<tail>` and the create-only write is
-the fence between processes and nodes. A writer that loses re-reads what the winner
-wrote and validates its batch again against the new state.
+<key> is the stream path percent-encoded into one name, or `%h` and its SHA-256 when
+too long (streams.py), so no input can name a file outside the root or another path's
+folder. Offsets are byte positions in the stream, and a segment's name is the offset
+it starts at, so the next segment of a stream is always named by its tail: a writer
+creates `seg/<tail>`, and the create-only write is the fence between processes and
+nodes.
 
-Appends are group-committed: one writer greenlet per stream per process takes every
-pending append, validates them in order, writes them as one segment and only then
-answers them all. Live readers wait on an in-process event; when appends may come
-from another process they also look for the next segment, and only while someone is
-waiting (idle streams cost nothing): on local disk when an inotify watch says a file
-was added (dirwatch.py), and everywhere at a bounded interval. After a commit the
-writer starts the stream's housekeeping: compaction.py merges small segments into
-packs, retention.py trims the head of streams that keep data by age or size.
+This module opens streams (a handle per stream, checked against storage, which is the
+only truth), creates them, and hands the rest to its parts, each over the stream's
+pieces (pieces.py): appends to commits.py, reads to reads.py, live waits to waits.py,
+deletes and forks' markers to lifecycle.py. After each commit it tells its listeners
+(subscriptions) and starts the stream's housekeeping: compaction.py merges small
+segments into packs, retention.py trims streams that keep data by age or size.
 """
 
 from __future__ import annotations
@@ -52,6 +49,7 @@ from gevent.event import AsyncResult
 import compaction
 import retention
 from commits import Commits
+from lifecycle import Lifecycle
 from objectstore import ObjectStore, StorageUnavailable
 from pieces import Pieces
 from reads import Reads
@@ -78,13 +76,11 @@ from streams import (
     StreamGone,
     StreamInfo,
     StreamNotFound,
-    highest_offset,
     is_hashed_key,
     legacy_stream_key,
     media_type,
     meta_key,
     read_config,
-    segment_name,
     stream_key,
 )
 from waits import Waits
@@ -93,14 +89,6 @@ if TYPE_CHECKING:
     from streamlocks import StreamLocks
 
 log = logging.getLogger("picomq.storage")
-
-# A fork being created marks its source, then writes its meta.json within
-# FORK_SETUP_SECONDS or gives up. Until a marker is FORK_MARKER_SECONDS old, a delete
-# of the source counts it as a fork even without that meta.json; the margin covers
-# nodes and storage whose clocks disagree. Retention's intent to trim is bounded the
-# same way (`publish_trim`).
-FORK_SETUP_SECONDS = 10.0
-FORK_MARKER_SECONDS = 60.0
 
 
 class StreamStore:
@@ -125,6 +113,7 @@ class StreamStore:
         self.reads = Reads(self.pieces)
         self.waits = Waits(self.pieces)
         self._streams = Handles()
+        self.lifecycle = Lifecycle(objects, self._streams)
         self._building: dict[tuple[str, object], AsyncResult] = {}  # handles being loaded
         self.listeners: list[Callable[[StreamInfo], None]] = []
         self.commit_observers: list[Callable[[int], None]] = []  # appends per group commit
@@ -152,7 +141,7 @@ class StreamStore:
             raise StreamNotFound(f"stream {path} was deleted")
         stream.raise_if_retired()
         if self._expired(stream):
-            if self._retire(stream):
+            if self.lifecycle.retire(stream):
                 raise StreamGone(f"stream {path} expired while forks still read it")
             raise StreamNotFound(f"stream {path} not found")
         if touch and stream.config.ttl is not None:
@@ -297,7 +286,7 @@ class StreamStore:
     def _index(self, stream: Stream) -> None:
         """List the stream's pieces; then retention looks at what it may drop."""
         self.pieces.index(stream)
-        retention.schedule_trim(self.pieces, self.publish_trim, stream)
+        retention.schedule_trim(self.pieces, self.lifecycle.publish_trim, stream)
 
     def _remember(self, path: str, stream: Stream) -> None:
         self._streams.put(path, stream)
@@ -352,13 +341,13 @@ class StreamStore:
         else:  # where readers can watch for the first segment (local disk)
             self.objects.make_directory(f"{stream.prefix}/seg")
         if source is not None:
-            self._mark_source(source, stream)  # may raise the fork's earliest offset
+            self.lifecycle.mark_source(source, stream)  # may raise the fork's earliest offset
         try:
             self.objects.create(stream.meta_key, stream.config.to_json())
         except FileExistsError:
-            if self._created_by(stream.key, config.incarnation):
+            if self.lifecycle.created_by(stream.key, config.incarnation):
                 return True, self._announced_info(path, stream)  # only the answer was lost
-            self._abandon(stream, source)
+            self.lifecycle.abandon(stream, source)
             winner = self._existing_for_create(path)
             if winner is not None:
                 return False, self._confirm(winner, config, request)
@@ -372,54 +361,6 @@ class StreamStore:
         older release's hashed name equal to this short path, or a case-folding disk."""
         config = read_config(self.objects, key)
         return config.path != path if config is not None else self.objects.exists(meta_key(key))
-
-    def _mark_source(self, source: Stream, fork: Stream) -> None:
-        """Tell deletes of `source` that `fork`, being created, is about to read it, or refuse.
-
-        The fork writes its marker before it looks for the source's `deleting` marker,
-        and a delete writes that before it lists the markers (`_retire`): one of the two
-        always sees the other, as storage lists and reads what was written before.
-        """
-        marked_at = time.monotonic()
-        if not (
-            self._create_marker(_fork_marker(source, fork))
-            and not self.objects.exists(f"{source.prefix}/deleting")
-            and self._created_by(source.key, source.config.incarnation)
-            and time.monotonic() - marked_at <= FORK_SETUP_SECONDS
-        ):
-            self._abandon(fork, source)
-            raise StreamConflict(f"fork source {source.config.path} was deleted")
-        self._take_trims(source, fork)
-
-    def _take_trims(self, source: Stream, fork: Stream) -> None:
-        """Start `fork` no lower than its source's retention trimmed, or set out to trim,
-        since it was validated (`publish_trim`). Intents are listed first: one may be
-        replaced by its trim between the two listings, never the other way round."""
-        origin = fork.config.fork
-        assert origin is not None
-        names = [
-            name
-            for name in self.objects.list(f"{source.prefix}/trimming")
-            if _younger(self.objects.modified(f"{source.prefix}/trimming/{name}"))
-        ]
-        names += self.objects.list(f"{source.prefix}/trim")
-        earliest = highest_offset(names, default=0)
-        if earliest <= origin.earliest:
-            return
-        if origin.point < earliest:
-            self._abandon(fork, source)
-            raise OffsetTrimmed(earliest)
-        fork.config = replace(fork.config, fork=replace(origin, earliest=earliest))
-
-    def _abandon(self, stream: Stream, source: Stream | None) -> None:
-        """Remove what a create that did not take place wrote: data, and a fork's marker."""
-        self._remove_leftovers(stream)
-        if source is not None:
-            self._release_source(source, stream)
-
-    def _created_by(self, key: str, incarnation: str) -> bool:
-        config = read_config(self.objects, key)
-        return config is not None and config.incarnation == incarnation
 
     def _announced_info(self, path: str, created: Stream) -> StreamInfo:
         """The info of a stream just created, announced to listeners while it exists.
@@ -526,7 +467,7 @@ class StreamStore:
             observe(appends)
         self._count_handle(stream)
         compaction.maybe_compact(self.pieces, stream)
-        retention.schedule_trim(self.pieces, self.publish_trim, stream)
+        retention.schedule_trim(self.pieces, self.lifecycle.publish_trim, stream)
 
     def _announce(self, info: StreamInfo) -> None:
         """Tell listeners (subscriptions) that a stream was created or grew in this process."""
@@ -615,8 +556,8 @@ class StreamStore:
 
     def _sweep_stream(self, path: str) -> None:
         stream = self._checked_handle(path)
-        if stream.gone and not self._has_forks(stream):
-            self._erase(stream)
+        if stream.gone and not self.lifecycle.has_forks(stream):
+            self.lifecycle.erase(stream)
         else:
             self._open(path)
 
@@ -646,146 +587,7 @@ class StreamStore:
     # -- delete ---------------------------------------------------------------------------
 
     def delete(self, path: str) -> None:
-        self._retire(self._open(path))
-
-    def _retire(self, stream: Stream) -> bool:
-        """Delete, or soft-delete while forks still read the data; True if soft.
-
-        Each marker is written before the look that depends on it: `deleting` before
-        the first look for forks (against forks being created, `_mark_source`), `gone`
-        before the second (against the last fork going meanwhile, `_release_source`).
-        """
-        self._mark_stream(stream, "deleting")
-        if self._has_forks(stream):
-            self._mark_stream(stream, "gone")
-            stream.gone = True
-            stream.notify()  # its waiters end: a soft-deleted stream takes no appends
-            if self._has_forks(stream):
-                return True
-            self._erase_if_there(stream)  # the last fork, going, may have erased it first
-            return False
-        try:
-            self._erase(stream)
-        except StreamNotFound:
-            self._remove_leftovers(stream)  # `deleting`, if the winner erased it first (S3)
-            raise
-        return False
-
-    def _mark_stream(self, stream: Stream, name: str) -> None:
-        """Write the marker `name` into a stream's folder; a 404 if another process
-        erased the stream, folder and all."""
-        if not self._create_marker(f"{stream.prefix}/{name}"):
-            raise StreamNotFound(f"stream {stream.config.path} was deleted")
-
-    def publish_trim(self, stream: Stream, earliest: int) -> bool:
-        """Make `earliest` the stream's earliest offset, unless a fork reads it: False.
-
-        As with deletes, each side writes before it looks: retention its intent
-        (`trimming/<offset>`, which readers never see) before its second look for
-        forks, a fork its marker before it looks for intents and trims (`_take_trims`).
-        So no trim is published that a fork's earliest offset does not take into account.
-        An intent is given up after FORK_SETUP_SECONDS, and one a crash left behind is
-        ignored once FORK_MARKER_SECONDS old.
-        """
-        intent = f"{stream.prefix}/trimming/{segment_name(earliest)}"
-        started = time.monotonic()
-        if self._has_forks(stream) or not self._create_marker(intent):
-            return False
-        try:
-            return (
-                not self._has_forks(stream)
-                and time.monotonic() - started <= FORK_SETUP_SECONDS
-                and self._create_marker(stream.trim_key(earliest))
-            )
-        finally:
-            self.objects.delete_tree(intent)
-
-    def _create_marker(self, key: str) -> bool:
-        """Create the empty object `key` unless it exists (another request wrote it, or
-        this one did and lost the answer); False if its folder is gone (local disk)."""
-        try:
-            self.objects.create(key, b"")
-        except FileExistsError:
-            pass
-        except FileNotFoundError:
-            return False
-        return True
-
-    def _has_forks(self, stream: Stream) -> bool:
-        """True while a fork reads the stream, or may be about to (one being created)."""
-        return any(
-            self._fork_reads(f"{stream.prefix}/forks/{name}", name)
-            for name in self.objects.list(f"{stream.prefix}/forks")
-        )
-
-    def _fork_reads(self, marker: str, name: str) -> bool:
-        """Whether the fork that wrote `marker` reads its source; removes stale markers.
-
-        A marker without its fork's meta.json is a fork being created until it is
-        FORK_MARKER_SECONDS old, then what a fork that failed or went left behind.
-        """
-        key, _, incarnation = name.partition("+")
-        try:
-            if not incarnation:  # written before markers were named by incarnation
-                incarnation = self.objects.read(marker).decode()
-            fork_meta = self.objects.read(f"streams/{key}/meta.json")
-            if StreamConfig.from_json(fork_meta).incarnation == incarnation:
-                return True
-        except FileNotFoundError:
-            pass
-        if _younger(self.objects.modified(marker)):
-            return True
-        self.objects.delete_tree(marker)
-        return False
-
-    def _erase(self, stream: Stream) -> None:
-        """Delete meta.json (the commit point), then the data; a lost race is a 404."""
-        config = stream.config
-        self._streams.discard(config.path, stream)
-        try:
-            if not self._created_by(stream.key, config.incarnation):
-                raise FileNotFoundError(config.path)
-            self.objects.delete(stream.meta_key)
-        except FileNotFoundError as error:
-            stream.end_waits()  # erased by another request first
-            raise StreamNotFound(f"stream {config.path} not found") from error
-        stream.end_waits()
-        self._remove_leftovers(stream)
-        if stream.source is not None:
-            self._release_source(stream.source, stream)
-
-    def _release_source(self, source: Stream, fork: Stream) -> None:
-        """Remove a fork's marker; a soft-deleted source goes with its last fork.
-
-        The marker goes before the look for `gone` (see `_retire`).
-        """
-        self.objects.delete_tree(_fork_marker(source, fork))
-        if self.objects.exists(f"{source.prefix}/gone") and not self._has_forks(source):
-            self._erase_if_there(source)  # its delete, or another fork going, may be first
-
-    def _erase_if_there(self, stream: Stream) -> None:
-        try:
-            self._erase(stream)
-        except StreamNotFound:
-            pass
-
-    def _remove_leftovers(self, stream: Stream) -> None:
-        """Remove the folder of a stream that no longer exists; a writer that raced its
-        deletion may have left a segment behind, which is only logged."""
-        try:
-            self.objects.delete_tree(stream.prefix)
-        except (OSError, StorageUnavailable) as error:
-            log.warning("leftover data of deleted stream %s: %s", stream.config.path, error)
-
-
-def _fork_marker(source: Stream, fork: Stream) -> str:
-    """The key of the object that tells deletes of `source` that `fork` reads it."""
-    return f"{source.prefix}/forks/{fork.key}+{fork.config.incarnation}"
-
-
-def _younger(modified: float | None) -> bool:
-    """Whether a marker modified then (None: gone) may still be one being acted on."""
-    return time.time() - (modified or 0.0) < FORK_MARKER_SECONDS
+        self.lifecycle.retire(self._open(path))
 
 
 def _either(value: int | None, default: int | None) -> int | None:

@@ -16,7 +16,7 @@ import hashlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import TYPE_CHECKING
 from urllib.parse import quote
@@ -420,6 +420,17 @@ class Stream:
             raise StreamGone(f"stream {self.config.path} was deleted")
         if self.erased:
             raise StreamNotFound(f"stream {self.config.path} was deleted")
+
+    def soft_delete(self) -> None:
+        """Deleted while forks read it: 410 from now on, and its waiters end."""
+        self.gone = True
+        self.notify()
+
+    def inherit_trim(self, earliest: int) -> None:
+        """A fork being created starts no lower than its source has trimmed meanwhile."""
+        origin = self.config.fork
+        assert origin is not None
+        self.config = replace(self.config, fork=replace(origin, earliest=earliest))
 
     def end_waits(self) -> None:
         """Wake a deleted stream's waiters for good: no data will come to this handle."""

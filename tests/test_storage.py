@@ -28,6 +28,7 @@ from gevent.event import Event
 
 import commits
 import compaction
+import lifecycle
 import localdisk
 import storage
 import streams
@@ -918,7 +919,7 @@ def test_concurrent_creates_of_one_fork_keep_the_winner_s_marker(
     fork = CreateRequest("", fork_source="source")
     around(first, "create", f"{prefix}/forks/", before=lambda: second.create("fork", fork))
     assert first.create("fork", fork)[0] is False
-    monkeypatch.setattr(storage, "FORK_MARKER_SECONDS", 0.0)  # only a live fork keeps it
+    monkeypatch.setattr(lifecycle, "FORK_MARKER_SECONDS", 0.0)  # only a live fork keeps it
     first.delete("source")
     third = make_store()
     with pytest.raises(StreamGone):
@@ -936,7 +937,7 @@ def test_a_sweep_frees_a_source_kept_for_a_fork_that_never_came(
     store.sweep()
     with pytest.raises(StreamGone):
         store.head("source")  # the marker is young: that fork may still come
-    monkeypatch.setattr(storage, "FORK_MARKER_SECONDS", 0.0)
+    monkeypatch.setattr(lifecycle, "FORK_MARKER_SECONDS", 0.0)
     make_store().sweep()
     assert_freed(make_store(), prefix, "source")
 
@@ -948,7 +949,12 @@ def test_a_fork_created_as_another_store_trims_its_source_starts_at_the_trim(
     first, second, prefix = two_stores_knowing_a_source(make_store)
     append_text(first, "source", b"more")
     trimmed = second._checked_handle("source")
-    around(first, "create", f"{prefix}/forks/", before=lambda: second.publish_trim(trimmed, 4))
+    around(
+        first,
+        "create",
+        f"{prefix}/forks/",
+        before=lambda: second.lifecycle.publish_trim(trimmed, 4),
+    )
     first.create("fork", CreateRequest("", fork_source="source"))
     third = make_store()
     assert read_all(third, "fork") == b"more"
@@ -967,7 +973,7 @@ def test_a_trim_that_finds_a_fork_created_meanwhile_is_not_published(
     fork = CreateRequest("", fork_source="source")
     creating = {when: lambda: first.create("fork", fork)}
     around(second, "create", f"{prefix}/trimming/", **creating)
-    assert second.publish_trim(second._checked_handle("source"), 4) is False
+    assert second.lifecycle.publish_trim(second._checked_handle("source"), 4) is False
     third = make_store()
     assert read_all(third, "fork") == fork_reads
     assert read_all(third, "source") == b"datamore"
@@ -981,7 +987,7 @@ def test_a_trim_intent_left_by_a_crash_stops_counting_once_old(
     store, _, prefix = two_stores_knowing_a_source(make_store)
     append_text(store, "source", b"more")
     store.objects.create(f"{prefix}/trimming/{streams.segment_name(4)}", b"")
-    monkeypatch.setattr(storage, "FORK_MARKER_SECONDS", 0.0)
+    monkeypatch.setattr(lifecycle, "FORK_MARKER_SECONDS", 0.0)
     store.create("fork", CreateRequest("", fork_source="source"))
     assert read_all(make_store(), "fork") == b"datamore"
 
@@ -997,7 +1003,7 @@ def test_a_read_from_the_start_while_retention_trims_starts_at_the_trim(
     handle = store._checked_handle("log")
 
     def trim() -> None:  # what retention.py does after publishing
-        assert store.publish_trim(handle, 4)
+        assert store.lifecycle.publish_trim(handle, 4)
         handle.starts, handle.earliest = [4], 4
 
     around(store, "may_exist", handle.segment_key(8), before=trim)
@@ -1014,7 +1020,7 @@ def test_a_pack_that_another_store_trims_through_serves_the_rest(make_store: Mak
         append_text(packer, "log", data)
     trimmed = trimmer._checked_handle("log")
     compaction._compact(packer.pieces, packer._streams["log"])
-    assert trimmer.publish_trim(trimmed, 2)
+    assert trimmer.lifecycle.publish_trim(trimmed, 2)
     packer.objects.delete_many([trimmed.segment_key(start) for start in (0, 2, 4)])
     assert read_all(make_store(), "log") == b"bbccdd"
 
