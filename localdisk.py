@@ -1,4 +1,4 @@
-"""Durable create-only writes on local disk.
+"""Local disk as the store's backend (`LocalDisk`), and its durable create-only writes.
 
 fsspec's local create-only write is check-then-write, not atomic, and fsspec never
 fsyncs. So local disk writes a temporary file and `os.link`s it into place: the link
@@ -33,6 +33,7 @@ import ctypes
 import errno
 import math
 import os
+import shutil
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -40,6 +41,10 @@ from typing import Any, NamedTuple
 
 import gevent
 from gevent.event import AsyncResult
+
+import dirwatch
+from dirwatch import Cancel, OnCreate
+from objectstore import ObjectStore, run_here, run_in_threadpool
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _SYNCFS = getattr(_LIBC, "syncfs", None)  # Linux only
@@ -377,3 +382,119 @@ def _sync_through(directory: str, sync: Callable[[int], None]) -> None:
         sync(descriptor)
     finally:
         os.close(descriptor)
+
+
+class LocalDisk(ObjectStore):
+    """Objects as files under a directory: created by a link, synced before answering.
+
+    Calls run in this thread, as they are quick, except those that sync (off the event
+    loop, so writes to many streams overlap). Files can be watched (dirwatch.py), and
+    a stat is cheap enough to look before every read.
+    """
+
+    is_local = True
+
+    def __init__(self, root: str) -> None:
+        super().__init__(run_here)
+        self.root = os.path.abspath(root.rstrip("/") or "/")
+        os.makedirs(self.root, exist_ok=True)
+        self._batched = BatchedCreates(run_in_threadpool) if CAN_SYNC_FILESYSTEM else None
+
+    def create(self, key: str, data: bytes, *, verified_on_load: bool = False) -> None:
+        """Durable when this returns: synced with its directory (fsyncs, or the syncfs
+        calls of the batch it joined); see the module's docstring."""
+        if self._batched is not None:
+            self._guarded(
+                self._batched.create, self.path(key), data, verified_on_load=verified_on_load
+            )
+        else:
+            self._guarded(run_in_threadpool, create_durably, self.path(key), data)
+
+    def delete(self, key: str) -> None:
+        self._guarded(_unlink_durably, self.path(key))
+
+    def delete_many(self, keys: list[str]) -> None:
+        for key in keys:
+            try:
+                os.unlink(self.path(key))
+            except FileNotFoundError:
+                pass
+
+    def _remove_tree(self, path: str) -> None:
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+
+    def touch(self, key: str) -> None:
+        self._guarded(_touch, self.path(key))
+
+    def read(self, key: str, start: int = 0, end: int | None = None) -> bytes:
+        return self._guarded(_read, self.path(key), start, end)
+
+    def modified(self, key: str) -> float | None:
+        try:
+            return os.stat(self.path(key)).st_mtime
+        except FileNotFoundError:
+            return None
+
+    def identity(self, key: str) -> object | None:
+        try:
+            status = os.stat(self.path(key))
+        except FileNotFoundError:
+            return None
+        return (status.st_ino, status.st_mtime_ns)
+
+    def exists(self, key: str) -> bool:
+        return os.path.exists(self.path(key))
+
+    def may_exist(self, key: str) -> bool:
+        """A stat: a stream with a waiting reader looks for its next segment twenty times
+        a second, and a failing read for each look cost far more than a stat."""
+        try:
+            os.stat(self.path(key))
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        except OSError:  # a failing disk: the read that follows meets it and reports it
+            pass
+        return True
+
+    def make_durable(self, key: str) -> None:
+        """Another process may have linked the file but not yet synced it (see
+        `publish_then_sync`): a reader that served it could see it taken back by a
+        crash, and its offsets reused."""
+        directory = os.path.dirname(self.path(key))
+        self._guarded(run_in_threadpool, sync_published, directory)
+
+    def make_directory(self, prefix: str) -> None:
+        """A directory can be watched (`watch_creates`) only once it exists."""
+        self._guarded(run_in_threadpool, make_durable_directories, self.path(prefix))
+
+    def watch_creates(self, prefix: str, on_create: OnCreate) -> Cancel | None:
+        return dirwatch.watcher.watch_creates(self.path(prefix), on_create)
+
+    def list(self, prefix: str) -> list[str]:
+        """Hidden names (temporary files, the writers' lock file) are no objects."""
+        try:
+            return [name for name in os.listdir(self.path(prefix)) if not name.startswith(".")]
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+
+def _read(path: str, start: int, end: int | None) -> bytes:
+    with open(path, "rb") as file:
+        file.seek(start)
+        return file.read() if end is None else file.read(end - start)
+
+
+def _touch(path: str) -> None:
+    try:
+        os.utime(path)
+    except FileNotFoundError:
+        make_durable_directories(os.path.dirname(path))
+        open(path, "ab").close()
+
+
+def _unlink_durably(path: str) -> None:
+    os.unlink(path)
+    fsync_directory(os.path.dirname(path))

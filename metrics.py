@@ -34,7 +34,8 @@ from prometheus_client import (
 )
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from objectstore import ObjectStore
+from dirwatch import Cancel, OnCreate
+from objectstore import ObjectStore, run_here
 
 T = TypeVar("T")
 
@@ -256,7 +257,7 @@ def measured(operation: str) -> Callable[[Callable[..., T]], Callable[..., T]]:
 
     def decorate(method: Callable[..., T]) -> Callable[..., T]:
         @functools.wraps(method)
-        def wrapper(self: MeasuredObjectStore, *args: Any, **kwargs: Any) -> T:
+        def wrapper(self: MeasuredObjects, *args: Any, **kwargs: Any) -> T:
             started = time.perf_counter()
             try:
                 return method(self, *args, **kwargs)
@@ -269,41 +270,89 @@ def measured(operation: str) -> Callable[[Callable[..., T]], Callable[..., T]]:
     return decorate
 
 
-class MeasuredObjectStore(ObjectStore):
-    """The object store, each request counted and timed by operation.
+class MeasuredObjects(ObjectStore):
+    """An object store, of either backend, each request counted and timed by operation.
 
     `iter_range` reads through `read`, so each chunk of a long read counts as one get.
     On local disk `put` is the whole durable create, including the wait for the batch
     it shares syncs with, so its latency is the sync latency; on S3 it is one
-    conditional PUT.
-    A `head` is counted on object stores only (`exists` goes through `identity` there):
-    on disk it is a stat, which every read makes and measuring would cost more than.
+    conditional PUT. A `head` is counted on object stores only: on disk it is a stat,
+    which every read makes and measuring would cost more than.
     """
 
-    def __init__(self, url: str) -> None:
-        super().__init__(url)
+    def __init__(self, objects: ObjectStore) -> None:
+        super().__init__(run_here)
+        self.objects = objects
+        self.root, self.is_local = objects.root, objects.is_local
         metrics = get_metrics()
         self.writes = metrics.writes
         self.requests = {name: metrics.storage_requests.labels(name) for name in STORAGE_OPERATIONS}
         self.seconds = {name: metrics.storage_seconds.labels(name) for name in STORAGE_OPERATIONS}
 
-    create = measured("put")(ObjectStore.create)
-    touch = measured("put")(ObjectStore.touch)
-    read = measured("get")(ObjectStore.read)
-    list = measured("list")(ObjectStore.list)
-    delete = measured("delete")(ObjectStore.delete)
-    delete_many = measured("delete")(ObjectStore.delete_many)
-    delete_tree = measured("delete")(ObjectStore.delete_tree)
+    @measured("put")
+    def create(self, key: str, data: bytes, *, verified_on_load: bool = False) -> None:
+        self.objects.create(key, data, verified_on_load=verified_on_load)
+
+    @measured("put")
+    def touch(self, key: str) -> None:
+        self.objects.touch(key)
+
+    @measured("get")
+    def read(self, key: str, start: int = 0, end: int | None = None) -> bytes:
+        return self.objects.read(key, start, end)
+
+    @measured("list")
+    def list(self, prefix: str) -> list[str]:
+        return self.objects.list(prefix)
+
+    @measured("list")
+    def list_after(self, prefix: str, after: str) -> list[str]:
+        return self.objects.list_after(prefix, after)
+
+    @measured("delete")
+    def delete(self, key: str) -> None:
+        self.objects.delete(key)
+
+    @measured("delete")
+    def delete_many(self, keys: list[str]) -> None:
+        self.objects.delete_many(keys)
+
+    @measured("delete")
+    def delete_tree(self, prefix: str) -> None:
+        self.objects.delete_tree(prefix)
+
+    def _remove_tree(self, path: str) -> None:
+        raise NotImplementedError  # delete_tree goes to the backend whole
 
     def identity(self, key: str) -> object | None:
         if self.is_local:
-            return super().identity(key)  # a stat: cheaper than measuring it
+            return self.objects.identity(key)
         return self._remote_identity(key)
 
     def modified(self, key: str) -> float | None:
         if self.is_local:
-            return super().modified(key)
+            return self.objects.modified(key)
         return self._remote_modified(key)
 
-    _remote_identity = measured("head")(ObjectStore.identity)
-    _remote_modified = measured("head")(ObjectStore.modified)
+    @measured("head")
+    def _remote_identity(self, key: str) -> object | None:
+        return self.objects.identity(key)
+
+    @measured("head")
+    def _remote_modified(self, key: str) -> float | None:
+        return self.objects.modified(key)
+
+    def exists(self, key: str) -> bool:
+        return self.objects.exists(key) if self.is_local else self.identity(key) is not None
+
+    def may_exist(self, key: str) -> bool:
+        return self.objects.may_exist(key)
+
+    def make_durable(self, key: str) -> None:
+        self.objects.make_durable(key)
+
+    def make_directory(self, prefix: str) -> None:
+        self.objects.make_directory(prefix)
+
+    def watch_creates(self, prefix: str, on_create: OnCreate) -> Cancel | None:
+        return self.objects.watch_creates(prefix, on_create)

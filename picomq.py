@@ -29,10 +29,10 @@ from decimals import MAX_SAFE_INTEGER, parse_decimal
 from fanout import DIRECT_WRITER_ENVIRON_KEY, DirectWriter, Fanout, Follower
 from limits import LiveConnections, json_array_longer_than, json_nests_deeper_than
 from logs import REQUEST_ID_HEADER
-from metrics import MeasuredObjectStore
+from metrics import MeasuredObjects
 from objectstore import ObjectCache, StorageUnavailable
 from settings import Settings
-from storage import StreamStore
+from storage import StreamStore, open_objects
 from streamlocks import StreamLocks
 from streams import (
     MAX_PRODUCER_ID_BYTES,
@@ -460,7 +460,7 @@ def create_store(settings: Settings) -> StreamStore:
 
     Several workers take turns at a stream's commits; one worker needs no lock for it.
     """
-    objects = MeasuredObjectStore(settings.storage_url)
+    objects = MeasuredObjects(open_objects(settings.storage_url))
     local = objects.is_local
     store_settings = StoreSettings(
         max_read_bytes=settings.max_read_bytes,

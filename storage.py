@@ -43,13 +43,17 @@ from datetime import datetime
 from typing import TYPE_CHECKING
 from urllib.parse import unquote
 
+import fsspec
 import gevent
+from fsspec.implementations.local import LocalFileSystem
 from gevent.event import AsyncResult
 
 import compaction
 import retention
+from buckets import Bucket
 from commits import Commits
 from lifecycle import Lifecycle
+from localdisk import LocalDisk
 from objectstore import ObjectStore, StorageUnavailable
 from pieces import Pieces
 from reads import Reads
@@ -89,6 +93,13 @@ if TYPE_CHECKING:
     from streamlocks import StreamLocks
 
 log = logging.getLogger("picomq.storage")
+
+
+def open_objects(url: str) -> ObjectStore:
+    """The backend for a storage URL: a directory (a path, or file://) or a bucket."""
+    if fsspec.utils.get_protocol(url) in LocalFileSystem.protocol:
+        return LocalDisk(fsspec.core.url_to_fs(url)[1])
+    return Bucket(url)
 
 
 class StreamStore:

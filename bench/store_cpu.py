@@ -33,8 +33,7 @@ from loads import JSON_TYPE, Options, message  # noqa: E402
 from servers import REPO_DIR  # noqa: E402
 
 sys.path.insert(0, str(REPO_DIR))
-from objectstore import ObjectStore  # noqa: E402
-from storage import StreamStore  # noqa: E402
+from storage import StreamStore, open_objects  # noqa: E402
 from streams import AppendRequest, CreateRequest, Payload, StoreSettings  # noqa: E402
 
 MAX_APPENDS = 1_000_000  # bounded: about a minute on one core
@@ -55,7 +54,7 @@ def main() -> None:
     arguments = parse_arguments()
     root = tempfile.mkdtemp(prefix="store-cpu-", dir=arguments.dir)
     try:
-        store = StreamStore(ObjectStore(root), StoreSettings())
+        store = StreamStore(open_objects(root), StoreSettings())
         paths = [f"s{number}" for number in range(arguments.streams)]
         for path in paths:
             store.create(path, CreateRequest(JSON_TYPE))

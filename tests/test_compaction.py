@@ -6,8 +6,7 @@ import time
 
 import gevent
 
-from objectstore import ObjectStore
-from storage import StreamStore
+from storage import StreamStore, open_objects
 from streams import AppendRequest, CreateRequest, Payload, StoreSettings
 
 SETTINGS = StoreSettings(compact_after=4, compact_max_segments=8, index_max_age=0.03)
@@ -24,7 +23,7 @@ def object_names(store: StreamStore, path: str, folder: str) -> list[str]:
 
 
 def test_small_segments_become_packs_and_originals_go(storage_url: str) -> None:
-    store = StreamStore(ObjectStore(storage_url), SETTINGS)
+    store = StreamStore(open_objects(storage_url), SETTINGS)
     store.create("events", CreateRequest(content_type="application/json"))
     for number in range(30):
         message = Payload.from_messages([b'{"n":%d}' % number])
@@ -40,14 +39,14 @@ def test_small_segments_become_packs_and_originals_go(storage_url: str) -> None:
     assert len(object_names(store, "events", "seg")) <= 8, "compacted originals were not deleted"
     assert read_all(store, "events") == expected
 
-    fresh = StreamStore(ObjectStore(storage_url), SETTINGS)  # another node, empty cache
+    fresh = StreamStore(open_objects(storage_url), SETTINGS)  # another node, empty cache
     assert read_all(fresh, "events") == expected
     assert fresh.head("events").tail == store.head("events").tail
 
 
 def test_reads_from_any_offset_after_compaction(storage_url: str) -> None:
     """Packs keep where each append ends: a read from inside one starts at its start."""
-    store = StreamStore(ObjectStore(storage_url), SETTINGS)
+    store = StreamStore(open_objects(storage_url), SETTINGS)
     store.create("bytes", CreateRequest(content_type="text/plain"))
     for number in range(20):
         store.append("bytes", AppendRequest("text/plain", Payload(b"%02d" % number)))
@@ -63,7 +62,7 @@ def test_packs_are_bounded_by_bytes_and_large_segments_stay(storage_url: str) ->
     settings = StoreSettings(
         compact_after=4, compact_max_segments=1024, compact_max_bytes=1600, index_max_age=0.03
     )
-    store = StreamStore(ObjectStore(storage_url), settings)
+    store = StreamStore(open_objects(storage_url), settings)
     store.create("mixed", CreateRequest(content_type="text/plain"))
     small, large = b"s" * 40, b"L" * 100  # a sixteenth of 1,600 bytes is 100: large
     sizes = [small] * 60 + [large] * 10 + [small] * 3

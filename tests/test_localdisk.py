@@ -20,7 +20,8 @@ from conftest import NEEDS_INOTIFY
 
 import dirwatch
 import localdisk
-from objectstore import ObjectStore, run_in_threadpool
+from objectstore import run_in_threadpool
+from storage import open_objects
 
 pytestmark = pytest.mark.skipif(
     not localdisk.CAN_SYNC_FILESYSTEM, reason="batched creates need Linux's syncfs"
@@ -161,7 +162,7 @@ def test_only_a_create_that_finds_the_process_idle_skips_the_thread_pool(tmp_pat
 
 
 def test_object_store_creates_are_create_only(tmp_path: Path) -> None:
-    store = ObjectStore(str(tmp_path))
+    store = open_objects(str(tmp_path))
     store.create("stream/segment", b"first")
     with pytest.raises(FileExistsError):
         store.create("stream/segment", b"second")

@@ -10,8 +10,7 @@ import gevent
 import pytest
 import requests
 
-from objectstore import ObjectStore
-from storage import StreamStore
+from storage import StreamStore, open_objects
 from streams import (
     AppendRequest,
     CreateRequest,
@@ -46,7 +45,7 @@ def piece_count(store: StreamStore, path: str) -> int:
 
 
 def test_size_retention_trims_the_head_and_answers_410(storage_url: str) -> None:
-    store = StreamStore(ObjectStore(storage_url), SETTINGS)
+    store = StreamStore(open_objects(storage_url), SETTINGS)
     store.create("sized", CreateRequest(content_type=TEXT, retention_bytes=20))
     append_pieces(store, "sized", 20, producer=True)
     before = piece_count(store, "sized")
@@ -68,7 +67,7 @@ def test_size_retention_trims_the_head_and_answers_410(storage_url: str) -> None
     assert from_start.start == info.earliest
     assert b"".join(from_start.chunks).endswith(b"0019tail")
 
-    fresh = StreamStore(ObjectStore(storage_url), SETTINGS)  # another node: storage says so
+    fresh = StreamStore(open_objects(storage_url), SETTINGS)  # another node: storage says so
     assert fresh.head("sized").earliest == info.earliest
     with pytest.raises(OffsetTrimmed):
         fresh.read("sized", 0)
@@ -80,7 +79,7 @@ def test_size_retention_trims_the_head_and_answers_410(storage_url: str) -> None
 
 
 def test_age_retention_trims_and_keeps_closed_flag(storage_url: str) -> None:
-    store = StreamStore(ObjectStore(storage_url), SETTINGS)
+    store = StreamStore(open_objects(storage_url), SETTINGS)
     store.create("aged", CreateRequest(content_type=TEXT, retention_age=1))
     append_pieces(store, "aged", 5)
     gevent.sleep(1.3)
@@ -95,7 +94,7 @@ def test_age_retention_trims_and_keeps_closed_flag(storage_url: str) -> None:
 
 def test_forked_streams_are_not_trimmed(storage_url: str) -> None:
     # A slower fence (1 s) so the fork surely exists before anything may be trimmed.
-    store = StreamStore(ObjectStore(storage_url), replace(SETTINGS, index_max_age=0.5))
+    store = StreamStore(open_objects(storage_url), replace(SETTINGS, index_max_age=0.5))
     store.create("source", CreateRequest(content_type=TEXT, retention_bytes=8))
     append_pieces(store, "source", 6)
     store.create("fork", CreateRequest(content_type="", fork_source="source", fork_offset=24))
@@ -107,7 +106,7 @@ def test_forked_streams_are_not_trimmed(storage_url: str) -> None:
 
 
 def test_streams_without_retention_keep_everything(storage_url: str) -> None:
-    store = StreamStore(ObjectStore(storage_url), SETTINGS)
+    store = StreamStore(open_objects(storage_url), SETTINGS)
     store.create("kept", CreateRequest(content_type=TEXT))
     append_pieces(store, "kept", 10)
     gevent.sleep(0.5)

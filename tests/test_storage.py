@@ -32,7 +32,7 @@ import lifecycle
 import localdisk
 import storage
 import streams
-from objectstore import ObjectCache, ObjectStore, StorageUnavailable
+from objectstore import ObjectCache, StorageUnavailable
 from segments import (
     MAGIC,
     PREFIX,
@@ -42,7 +42,7 @@ from segments import (
     encode_segment,
     positions,
 )
-from storage import StreamStore
+from storage import StreamStore, open_objects
 from streams import (
     AppendRequest,
     AppendResult,
@@ -87,7 +87,7 @@ def make_store(storage_url: str) -> MakeStore:
         for implementation in fsspec.registry.values():
             implementation.clear_instance_cache()
         store_settings = StoreSettings(**{"poll_interval": POLL_INTERVAL, **settings})
-        return StreamStore(ObjectStore(storage_url), store_settings)
+        return StreamStore(open_objects(storage_url), store_settings)
 
     return make
 
@@ -173,7 +173,7 @@ def test_reads_are_cut_into_bounded_pieces_of_whole_appends(make_store: MakeStor
 
 def recorded_message_ends(storage_url: str, path: str) -> list[int]:
     """The message ends a stream's segments record, as another node would read them."""
-    objects = ObjectStore(storage_url)
+    objects = open_objects(storage_url)
     stream = f"streams/{stream_key(path)}"
     [incarnation] = [name for name in objects.list(stream) if name != "meta.json"]
     segments = f"{stream}/{incarnation}/seg"
@@ -397,7 +397,7 @@ def test_no_short_path_names_the_storage_of_a_long_one(make_store: MakeStore) ->
 
 def move_to_legacy_key(storage_url: str, path: str) -> str:
     """Move a long path's folder to the name releases before 2026-12-06 gave it."""
-    objects = ObjectStore(storage_url)
+    objects = open_objects(storage_url)
     legacy = streams.legacy_stream_key(path)
     assert legacy is not None
     old, new = objects.path(f"streams/{stream_key(path)}"), objects.path(f"streams/{legacy}")
@@ -442,7 +442,7 @@ def test_a_small_append_writes_a_bounded_part_of_the_producer_table(
         append_text(store, "crowd", b"x", producer=Producer(producer_id, 0, 0))
     tail = store.head("crowd").tail
     append_text(store, "crowd", b"y", producer=Producer(ids[0], 0, 1))
-    objects, handle = ObjectStore(storage_url), store._streams["crowd"]
+    objects, handle = open_objects(storage_url), store._streams["crowd"]
     sizes = [len(objects.read(handle.segment_key(start))) for start in range(tail + 1)]
     # The table is 90 KB; every segment carries at most the changes since a snapshot.
     assert max(sizes) < commits.PRODUCER_CHANGES_BYTES + 2 * streams.PRODUCER_ENTRY_BYTES + 1024
@@ -515,7 +515,7 @@ def test_a_batch_of_many_large_appends_commits_in_bounded_segments(
         [gevent.spawn(append_text, store, "big", piece) for piece in pieces], raise_error=True
     )
     assert sorted(read_all(store, "big")[i : i + 400] for i in range(0, 4000, 400)) == pieces
-    objects = ObjectStore(storage_url)
+    objects = open_objects(storage_url)
     handle = store._streams["big"]
     sizes = [decode_header(objects.read(handle.piece_key(start)))[0] for start in handle.starts]
     assert all(index.end - index.start <= 1000 for index in sizes), sizes
@@ -1335,7 +1335,7 @@ def test_on_local_disk_a_watch_wakes_a_reader_of_another_stores_append(
     if storage_url.startswith("s3://"):
         pytest.skip("object stores have no watch: they poll")
     settings = StoreSettings(poll_interval=60, watched_poll_interval=60)
-    writer_store, reader_store = (StreamStore(ObjectStore(storage_url), settings) for _ in "ab")
+    writer_store, reader_store = (StreamStore(open_objects(storage_url), settings) for _ in "ab")
     writer_store.create("live", CreateRequest(TEXT, payload=Payload(initial)))
     waiting = gevent.spawn(reader_store.wait, "live", len(initial), WAIT_TIMEOUT_SECONDS)
     gevent.sleep(2 * POLL_INTERVAL)  # the reader is waiting before the append
@@ -1353,7 +1353,7 @@ def test_on_local_disk_a_wait_on_a_stream_another_store_deletes_ends_at_once(
     if storage_url.startswith("s3://"):
         pytest.skip("object stores have no watch: they poll")
     settings = StoreSettings(poll_interval=60, watched_poll_interval=60)
-    deleting_store, reader_store = (StreamStore(ObjectStore(storage_url), settings) for _ in "ab")
+    deleting_store, reader_store = (StreamStore(open_objects(storage_url), settings) for _ in "ab")
     deleting_store.create("live", CreateRequest(TEXT, payload=Payload(b"0")))
     waiting = gevent.spawn(reader_store.wait, "live", 1, 2 * WAIT_TIMEOUT_SECONDS)
     gevent.sleep(2 * POLL_INTERVAL)
