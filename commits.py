@@ -91,8 +91,8 @@ class Commits:
         """Queue an append for the stream's writer and wait until it is durable.
 
         An append that finds the stream without a writer commits its batch itself: a
-        writer greenlet of its own cost every lone append a turn of the event loop
-        (0.05 ms of a live event). Appends queued meanwhile get a writer greenlet.
+        writer greenlet of its own would cost every lone append a turn of the event
+        loop. Appends queued meanwhile get a writer greenlet.
         """
         pending = Pending(request)
         stream.pending.append(pending)
@@ -177,8 +177,8 @@ class Commits:
     def _write_segment(self, stream: Stream, plan: Plan) -> None:
         """Create the segment at the tail; `FileExistsError` if another writer won."""
         start = plan.start
-        # 128 random bits, as uuid4 has, without its object: that cost a lone commit
-        # about 4 µs of the store's 60 (appends over 1,000 streams, store alone).
+        # 128 random bits, as uuid4 has, without its object (a measurable part of a
+        # lone commit: bench/README.md, "The store's figures").
         token = os.urandom(16).hex()
         previous_snapshot = plan.state.producer_snapshot
         snapshot = self._snapshot_producers_if_due(stream, plan, token)
@@ -324,7 +324,7 @@ def _info(stream: Stream, state: StreamState) -> StreamInfo:
     """The stream's info at a planned state: every append's answer builds one.
 
     A copy of the cached info's fields with two changed: `dataclasses.replace` walks
-    the fields and runs the frozen `__init__`, 2.8 µs against 0.45 (timeit)."""
+    the fields and runs the frozen `__init__`, several times slower."""
     info = object.__new__(StreamInfo)
     info.__dict__.update(stream.info().__dict__, tail=state.tail, closed=state.closed)
     return info

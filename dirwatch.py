@@ -1,9 +1,9 @@
 """Hear at once when any process adds a file to a local directory (Linux inotify).
 
 A reader waiting at a stream's tail on local disk learns of other processes' appends by
-looking for the next segment. Looking every 50 ms made a reader on another gunicorn
-worker than the writer wake 12–28 ms after the append (median), and kept a worker
-35–47 % busy with 1,000 waiting long-polls while nothing was appended. An inotify
+looking for the next segment. Looking every 50 ms woke a reader on another gunicorn
+worker tens of milliseconds late, and kept a worker a third busy with 1,000 waiting
+long-polls while nothing was appended (bench/README.md, "The store's figures"). An inotify
 watch on the stream's segment directory says when to look instead, and costs nothing
 while nothing happens.
 

@@ -14,9 +14,9 @@ For most objects the data is made durable before the link publishes it, two ways
   files, share one syncfs(2), link, and share a second. Linux documents syncfs as
   giving the guarantees of an fsync of every file on the filesystem. Appends to
   different streams cannot share a segment, but this way their segments share the
-  syncs: on this machine's disk every fsync wrote its inode and flushed the device
-  cache on its own, and the kernel's side of those fsyncs, with the thread switches
-  around them, was most of an append's cost when 1,000 streams took appends at once.
+  syncs: every fsync writes its inode and flushes the device cache on its own, and
+  with 1,000 streams taking appends at once those fsyncs, with the thread switches
+  around them, were most of an append's cost (bench/README.md, "The store's figures").
   A syncfs also writes whatever else is dirty on that filesystem, so a data directory
   that shares its filesystem with heavy writers waits for their data too.
 
@@ -173,20 +173,18 @@ class BatchedCreates:
     Creates that arrive while a batch is being written form the next one, so the
     number of syncs follows the disk's speed, not the number of creates. The first
     create to find no batch in flight writes one itself: handing it to another
-    greenlet would add a turn of the event loop to every lone create, which cost
-    single-stream batched appends 7 %. Only creates that had to wait are written by
-    a greenlet of their own.
+    greenlet would add a turn of the event loop to every lone create. Only creates that
+    had to wait are written by a greenlet of their own.
 
     The blocking work runs through `run_blocking` (the thread pool), off the event
     loop: requests are read and answered while the disk syncs, and the creates they
     bring form the next batch. Only a batch that finds the process idle runs on the
     caller's thread: no batch finished for `idle_seconds`, and the process used
     less than half of a core since the last one. Then nothing is queued to use the
-    sync's time, and the trip to the pool and back cost a lone create 0.13 ms of its
-    0.81 (timed in the server, a live SSE event: 1.2 ms). The event loop stands still
-    for that create (0.6 ms here); requests that come meanwhile then find the disk
-    busy and use the pool. Always inline, no create could join another's batch: 900
-    appends a second over 1,000 streams instead of 3,900.
+    sync's time, and the trip to the pool and back is a sixth of a lone create's
+    latency. The event loop stands still for that create; requests that come
+    meanwhile then find the disk busy and use the pool. Always inline, no create could
+    join another's batch, and appends over many streams ran at a quarter of the rate.
     """
 
     def __init__(
@@ -271,11 +269,10 @@ def _publish(path: str, data: bytes) -> int:
 
     Where the filesystem allows, the file is made without a name and linked once
     written: no temporary name is created and removed, and the sync has less to write
-    (medians of 300 creates of 200 bytes on this machine's ext4, each with its syncfs:
-    364–385 µs against 405–433; without it 19–20 against 27–30). A crash leaves no
-    temporary file behind. Elsewhere a named temporary file; and where the directory
-    was just removed (a stream deleted under its append), the named file's create
-    answers as it always did: FileNotFoundError, which the store turns into a 404.
+    (the figures: bench/README.md). A crash leaves no temporary file behind. Elsewhere
+    a named temporary file; and where the directory was just removed (a stream deleted
+    under its append), the named file's create answers as it always did:
+    FileNotFoundError, which the store turns into a 404.
     """
     if CAN_LINK_UNNAMED:
         directory = os.path.dirname(path)

@@ -3,10 +3,10 @@
 Create-only segments keep several writers of one stream correct, not fair. The process
 that has just committed plans its next batch at the true tail at once; one that lost a
 create must first read what the winner wrote, and by then the winner has written again.
-Two gunicorn workers on one hot stream (64 connections, `bench/ab.py`, the command in
-README): on local disk the append p99 was 0.66–1.03 s (10–12 ms with one worker), and on
-S3 (moto) 0.1–0.3 % of the appends answered 503 after losing for
-CONTENTION_LIMIT_SECONDS. Taking turns: p99 19–22 ms, no 503.
+Two gunicorn workers on one hot stream starved each other: appends waited a second at
+the 99th percentile on local disk, and on S3 some answered 503 after losing for
+CONTENTION_LIMIT_SECONDS; taking turns ended both (bench/README.md, "The store's
+figures").
 
 So each commit holds its stream's lock. A process waiting for it is woken by the kernel
 when it is released, before the holder is back with its next batch, and the processes

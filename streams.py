@@ -270,8 +270,8 @@ def stream_key(path: str) -> str:
     Percent-encoding writes only letters, digits, `-_.~` and `%` followed by two
     upper-case hex digits, so no path encodes to a name that starts with HASHED_PREFIX
     (`%` and a letter that is not hex): the two kinds cannot collide. Remembered: an
-    append encodes its stream's name three times (its handle's check and keys), and
-    `quote` was 3 % of a single append's CPU time (py-spy, appends-1).
+    append encodes its stream's name three times, and `quote` showed in its profile
+    (bench/README.md, "The store's figures").
     """
     encoded = quote(path, safe="-_.")
     if len(encoded) <= MAX_KEY_LENGTH and encoded not in (".", ".."):

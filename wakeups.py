@@ -2,12 +2,12 @@
 
 gevent's `Event.wait(timeout)` builds a `Timeout` for every call (pure Python around a
 libev timer, started and then stopped). An SSE subscriber waits once per event, so
-with 10,000 subscribers on one stream those timeouts were a third of the time the
-worker spent delivering an event. Here readers whose deadlines fall in the same short
+with 10,000 subscribers on one stream those timeouts were a large part of the time
+the worker spent delivering an event. Here readers whose deadlines fall in the same short
 slot share one event and one timer: a wait costs a dict lookup, and a reader wakes at
 most one slot after its deadline, which no long-poll or SSE client can tell apart.
 `Alarms` does the same for callbacks: the SSE fan-out (fanout.py) hands its parked
-subscribers back at their deadlines without a Timeout each (6 MiB at 10,000).
+subscribers back at their deadlines without a Timeout each.
 
 When the worker stops, `end_waits` wakes every waiter for good: each wait, and every
 wait begun after, raises `WaitsEnded`, so that long-polls and SSE responses answer with
