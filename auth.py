@@ -46,7 +46,7 @@ from cryptography.hazmat.primitives.asymmetric.rsa import RSAPrivateKey
 from cryptography.hazmat.primitives.serialization import load_pem_private_key, load_pem_public_key
 from flask import Flask, Response, current_app, g, request
 
-from picomq import (
+from protocol import (
     FORKED_FROM,
     RESERVED_PREFIX,
     STREAM_PREFIX,

@@ -35,7 +35,7 @@ from decimals import parse_decimal
 from fanout import DIRECT_WRITER_ENVIRON_KEY
 from logs import REQUEST_ID_HEADER, log_request, request_id_from
 from metrics import count_append, get_metrics
-from picomq import (
+from protocol import (
     CLOSED,
     COMMON_HEADERS,
     FAST_APPEND_FAILURE,
@@ -44,14 +44,15 @@ from picomq import (
     STREAM_PREFIX,
     STREAM_SEQ,
     BadRequest,
-    StreamViews,
     append_answer,
     parse_content_type,
+    parse_payload,
     parse_producer,
     parse_stream_path,
     read_up_to,
 )
-from storage import AppendRequest, AppendResult
+from settings import Settings
+from storage import AppendRequest, AppendResult, StreamStore
 
 
 class AnswerWriter(Protocol):
@@ -86,11 +87,12 @@ PRODUCER_KEYS = tuple(map(environ_key, PRODUCER_HEADERS))
 class FastAppends:
     """The WSGI answer to plain appends; None for every request Flask must serve."""
 
-    def __init__(self, views: StreamViews, max_body_bytes: int, verifier: Verifier | None) -> None:
+    def __init__(self, store: StreamStore, settings: Settings, verifier: Verifier | None) -> None:
         """`verifier`: the tokens' checker when tokens are checked, else None."""
-        self.views = views
-        self.store = views.store
-        self.max_body_bytes = max_body_bytes
+        self.store = store
+        self.max_body_bytes = settings.max_request_bytes
+        self.max_json_depth = settings.max_json_depth
+        self.max_append_messages = settings.max_append_messages
         self.verifier = verifier
         # Headers after the request id: a token-checked answer is private, as in Flask.
         self.closing_headers = PRIVATE_ANSWER_HEADERS if verifier is not None else ()
@@ -107,7 +109,13 @@ class FastAppends:
             if len(body) < length:
                 raise BadRequest("the body ended early")  # the view words the answer
             content_type = parse_content_type(environ.get("CONTENT_TYPE"), required=True)
-            payload = self.views.parse_payload(content_type, body, allow_empty=False)
+            payload = parse_payload(
+                content_type,
+                body,
+                allow_empty=False,
+                max_depth=self.max_json_depth,
+                max_messages=self.max_append_messages,
+            )
             producer = parse_producer(*map(environ.get, PRODUCER_KEYS))
         except Exception:  # noqa: BLE001 - the view meets it again, and answers as always
             environ["wsgi.input"] = io.BytesIO(body)

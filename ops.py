@@ -29,7 +29,7 @@ from metrics import (
     metrics_view,
     release_live_connection,
 )
-from picomq import BadRequest, error_response, format_offset, parse_number
+from protocol import BadRequest, error_response, format_offset, parse_number
 from settings import Settings
 from storage import (
     StorageUnavailable,

@@ -87,8 +87,8 @@ from gevent.lock import RLock
 
 from auth import AuthError, refusal, request_allows, request_covers
 from objectstore import ObjectStore
-from picomq import STREAM_PREFIX, BadRequest, Response, format_offset, parse_offset
-from picomq import parse_stream_path as parse_picomq_path
+from protocol import STREAM_PREFIX, BadRequest, Response, format_offset, parse_offset
+from protocol import parse_stream_path as parse_picomq_path
 from settings import Network, Settings
 from storage import (
     AppendRequest,
