@@ -54,6 +54,7 @@ from protocol import (
     Response,
     advanced_cursor,
     append_answer,
+    code_of_reason,
     empty_body,
     error_response,
     etag_of,
@@ -69,6 +70,7 @@ from protocol import (
     parse_start_offset,
     parse_stream_path,
     read_up_to,
+    storage_unavailable_response,
     store_error_response,
     stream_headers,
 )
@@ -279,7 +281,7 @@ def register_common_answers(app: Flask) -> None:
 
     @app.errorhandler(HTTPException)
     def http_error(error: HTTPException) -> Response:
-        code = (error.name or "error").lower().replace(" ", "_")
+        code = code_of_reason(error.name or "error")
         return error_response(error.code or 500, code, error.description or error.name)
 
     @app.errorhandler(Exception)
@@ -317,10 +319,7 @@ class StreamViews:
             return store_error_response(error)
         except StorageUnavailable as error:
             log.warning("storage unavailable: %s", error)
-            return error_response(
-                503, "storage_unavailable", "storage is unavailable; retry",
-                {"Retry-After": RETRY_AFTER_SECONDS},
-            )  # fmt: skip
+            return storage_unavailable_response()
 
     # -- PUT ------------------------------------------------------------------------
 

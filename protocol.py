@@ -340,11 +340,46 @@ def stream_headers(info: StreamInfo, tail: int | None = None) -> dict[str, str]:
     return headers
 
 
+def error_body(code: str, message: str, details: dict[str, object] | None = None) -> bytes:
+    """The one shape of every refusal PicoMQ sends, from a view or from the worker:
+    `{"error": {"code", "message", ...details}}`."""
+    return orjson.dumps({"error": {"code": code, "message": message, **(details or {})}})
+
+
 def error_response(
-    status: int, code: str, message: str, headers: dict[str, str] | None = None
+    status: int,
+    code: str,
+    message: str,
+    headers: dict[str, str] | None = None,
+    details: dict[str, object] | None = None,
 ) -> Response:
-    body = orjson.dumps({"error": {"code": code, "message": message}})
+    body = error_body(code, message, details)
     return Response(body, status, headers or {}, mimetype="application/json")
+
+
+def code_of_reason(reason: str) -> str:
+    """An error code from an HTTP reason phrase: 'Request Entity Too Large' is
+    'request_entity_too_large'."""
+    return reason.lower().replace(" ", "_")
+
+
+def storage_unavailable_response() -> Response:
+    """503, for as long as storage fails in a way a retry may cure."""
+    return error_response(
+        503,
+        "storage_unavailable",
+        "storage is unavailable; retry",
+        {"Retry-After": RETRY_AFTER_SECONDS},
+    )
+
+
+def json_response(
+    body: object, status: int = 200, headers: dict[str, str] | None = None
+) -> Response:
+    """`body` as JSON; `headers` may name another Content-Type."""
+    return Response(
+        orjson.dumps(body), status, {"Content-Type": "application/json"} | (headers or {})
+    )
 
 
 def append_answer(result: AppendResult, produced_data: bool) -> tuple[int, dict[str, str]]:

@@ -87,7 +87,16 @@ from gevent.lock import RLock
 
 from auth import AuthError, refusal, request_allows, request_covers
 from objectstore import ObjectStore
-from protocol import STREAM_PREFIX, BadRequest, Response, format_offset, parse_offset
+from protocol import (
+    RETRY_AFTER_SECONDS,
+    STREAM_PREFIX,
+    BadRequest,
+    Response,
+    error_response,
+    format_offset,
+    json_response,
+    parse_offset,
+)
 from protocol import parse_stream_path as parse_picomq_path
 from settings import Network, Settings
 from storage import (
@@ -1397,17 +1406,6 @@ def _new_signing_key() -> bytes:
 # -- HTTP ------------------------------------------------------------------------------
 
 
-def json_response(
-    body: object, status: int = 200, content_type: str = "application/json"
-) -> Response:
-    return Response(orjson.dumps(body), status, content_type=content_type)
-
-
-def error_body(error: SubscriptionError) -> Response:
-    return json_response({"error": {"code": error.code, "message": str(error), **error.details}},
-                         error.status)  # fmt: skip
-
-
 def stream_root() -> str:
     return request.url_root.rstrip("/") + STREAM_PREFIX.rstrip("/")
 
@@ -1458,22 +1456,20 @@ class SubscriptionViews:
                     raise MethodNotAllowed(f"use {', '.join(methods)}")
                 return view(**arguments)
             except SubscriptionError as error:
-                return error_body(error)
+                return error_response(error.status, error.code, str(error), details=error.details)
             except AuthError as error:
                 log.info("refused %s %s: %s", request.method, request.path, error)
                 return refusal(error)
             except StorageUnavailable as error:
                 log.warning("storage unavailable: %s", error)
-                body = {"error": {"code": "STORAGE_UNAVAILABLE", "message": "retry"}}
-                response = json_response(body, 503)
-                response.headers["Retry-After"] = "1"
-                return response
+                retry = {"Retry-After": RETRY_AFTER_SECONDS}
+                return error_response(503, "STORAGE_UNAVAILABLE", "retry", retry)
 
         handle.__name__ = view.__name__
         return handle
 
     def jwks(self) -> Response:
-        response = json_response(self.subscriptions.jwks(), content_type=JWK_SET_TYPE)
+        response = json_response(self.subscriptions.jwks(), headers={"Content-Type": JWK_SET_TYPE})
         response.headers["Cache-Control"] = "public, max-age=300"
         return response
 

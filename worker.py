@@ -72,13 +72,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import gevent
-import orjson
 from gevent import socket as gevent_socket
 from gevent.pywsgi import Input, format_date_time
 from gunicorn.workers.ggevent import GeventPyWSGIWorker, PyWSGIHandler, PyWSGIServer
 
 from decimals import DECIMAL_PATTERN
 from fanout import DIRECT_WRITER_ENVIRON_KEY
+from protocol import code_of_reason, error_body
 from settings import Settings
 from wakeups import end_waits
 
@@ -210,9 +210,8 @@ class HeadTimedOut(ValueError):
 
 
 def refusal(status: int, reason: str, message: str) -> bytes:
-    """A whole HTTP response refusing a request, with a JSON error body."""
-    code = reason.lower().replace(" ", "_")
-    body = orjson.dumps({"error": {"code": code, "message": message}})
+    """A whole HTTP response refusing a request, with the app's JSON error body."""
+    body = error_body(code_of_reason(reason), message)
     head = (
         f"HTTP/1.1 {status} {reason}\r\nConnection: close\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
