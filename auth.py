@@ -48,10 +48,10 @@ from flask import Flask, Response, current_app, g, request
 
 from protocol import (
     FORKED_FROM,
-    RESERVED_PREFIX,
     STREAM_PREFIX,
     BadRequest,
     error_response,
+    is_reserved,
     parse_fork_source,
 )
 from settings import Settings
@@ -343,7 +343,7 @@ def required_grants(anonymous_endpoints: frozenset[str]) -> list[tuple[str, str]
         return [("admin", request.path.lstrip("/"))]
     # The stream view's own argument, so the path checked is the path served.
     path = view_args["path"] if request.endpoint == "stream" else request.path[len(STREAM_PREFIX) :]
-    if path.split("/", 1)[0] == RESERVED_PREFIX:
+    if is_reserved(path):
         return [("admin", path)]
     action = ACTION_OF_METHOD.get(request.method)
     if action is None:

@@ -40,11 +40,11 @@ from protocol import (
     COMMON_HEADERS,
     FAST_APPEND_FAILURE,
     PRODUCER_HEADERS,
-    RESERVED_PREFIX,
     STREAM_PREFIX,
     STREAM_SEQ,
     BadRequest,
     append_answer,
+    is_reserved,
     parse_content_type,
     parse_payload,
     parse_producer,
@@ -186,7 +186,7 @@ class FastAppends:
         if not environ.keys().isdisjoint(NOT_PLAIN):
             return None
         path = path_info[len(STREAM_PREFIX) :]
-        if path.split("/", 1)[0] == RESERVED_PREFIX:
+        if is_reserved(path):
             return None
         try:
             return parse_stream_path(path)

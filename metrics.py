@@ -35,18 +35,16 @@ from prometheus_client import (
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from objectstore import ObjectStore
+from protocol import PRODUCER_EPOCH, STREAM_PREFIX, is_reserved
 
 T = TypeVar("T")
 
 MULTIPROCESS_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
-STREAM_PREFIX = "/v1/stream/"
-RESERVED_PREFIX = "/v1/stream/__ds/"
 CONTENT_TYPE_LABELS = ("application/json", "application/octet-stream", "text/plain")
 LIVE_MODES = ("long-poll", "sse")
 STORAGE_OPERATIONS = ("put", "get", "head", "list", "delete")
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
-PRODUCER_EPOCH = "Producer-Epoch"  # a fenced producer's 403 carries it; an auth 403 does not
 
 
 def label_of_content_type(content_type: str | None) -> str:
@@ -181,10 +179,7 @@ def get_metrics() -> Metrics:
 
 def read_mode() -> str | None:
     """'catch-up', 'long-poll' or 'sse' for a stream read; None for anything else."""
-    path = request.path
-    if request.method != "GET" or not path.startswith(STREAM_PREFIX):
-        return None
-    if path.startswith(RESERVED_PREFIX):
+    if request.method != "GET" or not names_a_stream(request.path):
         return None
     live = request.args.get("live")
     return live if live in LIVE_MODES else "catch-up"
@@ -192,6 +187,7 @@ def read_mode() -> str | None:
 
 def is_auth_failure(response: Response) -> bool:
     status = response.status_code
+    # A fenced producer's 403 carries its epoch; a 403 for a token's grants does not.
     return status == 401 or (status == 403 and PRODUCER_EPOCH not in response.headers)
 
 
@@ -213,7 +209,7 @@ def count_response(metrics: Metrics, response: Response) -> None:
         metrics.errors.labels(str(status)).inc()
         if is_auth_failure(response):
             metrics.auth_failures.inc()
-    elif request.method == "POST" and is_append_path(request.path):
+    elif request.method == "POST" and names_a_stream(request.path):
         count_append(metrics, request.headers.get("Content-Type"), request.content_length or 0)
     live_mode = g.pop("live_mode", None)
     if live_mode is not None:  # an SSE body is still to come: the connection ends on close
@@ -227,8 +223,8 @@ def release_live_connection(metrics: Metrics) -> None:
         metrics.live_connections.labels(live_mode).dec()
 
 
-def is_append_path(path: str) -> bool:
-    return path.startswith(STREAM_PREFIX) and not path.startswith(RESERVED_PREFIX)
+def names_a_stream(url_path: str) -> bool:
+    return url_path.startswith(STREAM_PREFIX) and not is_reserved(url_path[len(STREAM_PREFIX) :])
 
 
 def count_append(metrics: Metrics, content_type: str | None, size: int) -> None:

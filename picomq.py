@@ -59,6 +59,7 @@ from protocol import (
     error_response,
     etag_of,
     format_offset,
+    is_reserved,
     next_cursor,
     parse_content_type,
     parse_expires_at,
@@ -309,7 +310,7 @@ class StreamViews:
             "DELETE": self.delete,
             "OPTIONS": self.preflight,
         }
-        if path.split("/", 1)[0] == RESERVED_PREFIX:
+        if is_reserved(path):
             return error_response(404, "not_found", f"{RESERVED_PREFIX}/ paths are reserved")
         try:
             return handlers[request.method](parse_stream_path(path))

@@ -45,7 +45,7 @@ from storage import (
 )
 
 STREAM_PREFIX = "/v1/stream/"
-RESERVED_PREFIX = "__ds"
+RESERVED_PREFIX = "__ds"  # the first segment of paths the protocol keeps for itself
 MAX_PATH_BYTES = 1024
 MAX_PATH_DEPTH = 32
 DEFAULT_CONTENT_TYPE = "application/octet-stream"
@@ -163,6 +163,12 @@ def parse_stream_path(path: str) -> str:
             " no empty, '.' or '..' segments, no control characters or backslashes"
         )
     return path
+
+
+def is_reserved(path: str) -> bool:
+    """Whether a stream path lies under `__ds/`, where the protocol's own routes are
+    (subscriptions.py): no stream is ever created, read or counted there."""
+    return path.split("/", 1)[0] == RESERVED_PREFIX
 
 
 def parse_fork_source(text: str) -> str:

@@ -88,12 +88,14 @@ from gevent.lock import RLock
 from auth import AuthError, refusal, request_allows, request_covers
 from objectstore import ObjectStore
 from protocol import (
+    RESERVED_PREFIX,
     RETRY_AFTER_SECONDS,
     STREAM_PREFIX,
     BadRequest,
     Response,
     error_response,
     format_offset,
+    is_reserved,
     json_response,
     parse_offset,
 )
@@ -114,8 +116,7 @@ from storage import (
 
 log = logging.getLogger("picomq.subscriptions")
 
-RESERVED = "__ds"
-ROUTE_ROOT = f"{STREAM_PREFIX}{RESERVED}"
+ROUTE_ROOT = f"{STREAM_PREFIX}{RESERVED_PREFIX}"
 ALL_METHODS = ["GET", "HEAD", "PUT", "POST", "DELETE", "OPTIONS"]
 TYPES = ("webhook", "pull-wake")
 BEFORE_FIRST = "-1"
@@ -273,8 +274,8 @@ def parse_path(value: object, name: str) -> str:
         parse_picomq_path(path)
     except BadRequest as error:
         raise InvalidRequest(f"{name}: {error}") from error
-    if path.split("/", 1)[0] == RESERVED:
-        raise InvalidRequest(f"{name}: paths under {RESERVED}/ are reserved")
+    if is_reserved(path):
+        raise InvalidRequest(f"{name}: paths under {RESERVED_PREFIX}/ are reserved")
     return path
 
 
@@ -1049,7 +1050,7 @@ class Subscriptions:
         links = sorted(subscription.links.values(), key=lambda link: link.path)
         body["streams"] = [link.describe() for link in links]
         if spec.webhook_url is not None:
-            jwks_url = f"{subscription.record.root_url}/{RESERVED}/jwks.json"
+            jwks_url = f"{subscription.record.root_url}/{RESERVED_PREFIX}/jwks.json"
             signing = {"alg": "ed25519", "kid": self.signer.kid, "jwks_url": jwks_url}
             body["webhook"] = {"url": spec.webhook_url, "signing": signing}
         if spec.wake_stream is not None:
@@ -1290,7 +1291,7 @@ class Subscriptions:
 
     def _action_url(self, subscription: Subscription, action: str) -> str:
         root = subscription.record.root_url
-        return f"{root}/{RESERVED}/subscriptions/{subscription.id}/{action}"
+        return f"{root}/{RESERVED_PREFIX}/subscriptions/{subscription.id}/{action}"
 
     # -- callback, claim, ack, release --
 
