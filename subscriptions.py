@@ -15,8 +15,9 @@ consumer, one wake at a time:
 Every wake has a generation number and an id; a callback, ack or release naming any
 other wake than the current one is FENCED (409). When a wake ends (done, release, lease
 expiry) and data is still pending, the next wake starts at once. Glob patterns match
-whole path segments: `*` is one segment, `**` any number (a `*` inside a segment matches
-within it). A subscription never links its own wake stream.
+whole path segments, as a token's grants do (auth.matches): `*` is one segment, `**` any
+number (a `*` inside a segment matches within it). A subscription never links its own
+wake stream.
 
 With access control on (auth.py), a PUT needs besides `admin` on its path `read` on all
 it links (its pattern within one read grant of the token, each explicit stream granted)
@@ -85,7 +86,7 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from flask import Flask, request
 from gevent.lock import RLock
 
-from auth import AuthError, refusal, request_allows, request_covers
+from auth import AuthError, bearer_credentials, matches, refusal, request_allows, request_covers
 from objectstore import ObjectStore
 from protocol import (
     RESERVED_PREFIX,
@@ -351,29 +352,15 @@ def parse_ack_request(body: dict) -> AckRequest:
     return AckRequest(wake_id, generation, tuple(acks), done)
 
 
-def parse_bearer_token() -> str:
-    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
+def wake_token() -> str:
+    """The wake's token, which a callback, ack or release carries as a bearer token."""
+    token = bearer_credentials(request.headers.get("Authorization", ""))
+    if not token:
         raise TokenInvalid("send the wake's token as Authorization: Bearer <token>")
-    return token.strip()
+    return token
 
 
-# -- glob patterns and webhook URLs ----------------------------------------------------
-
-
-def compile_pattern(pattern: str) -> re.Pattern[str]:
-    """`*` is one segment, `**` any number (zero included); a `*` inside a segment stays in it."""
-    parts = []
-    for segment in pattern.split("/"):
-        if segment == "**":
-            parts.append("(?:/[^/]+)*")
-        else:
-            parts.append("/" + "[^/]*".join(re.escape(piece) for piece in segment.split("*")))
-    return re.compile("".join(parts))
-
-
-def matches(pattern: str, path: str) -> bool:
-    return compile_pattern(pattern).fullmatch("/" + path) is not None
+# -- webhook URLs ----------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -724,11 +711,11 @@ class Subscription:
     status: str = "active"
     deleted: bool = False
     lock: RLock = field(default_factory=RLock)
-    pattern: re.Pattern[str] | None = None
+    pattern: tuple[str, ...] | None = None  # the glob's segments, as auth.matches takes them
 
     def __post_init__(self) -> None:
         if self.spec.pattern is not None:
-            self.pattern = compile_pattern(self.spec.pattern)
+            self.pattern = tuple(self.spec.pattern.split("/"))
 
     @property
     def id(self) -> str:
@@ -741,7 +728,7 @@ class Subscription:
     def matches(self, path: str) -> bool:
         if path == self.spec.wake_stream or self.pattern is None:
             return False
-        return self.pattern.fullmatch("/" + path) is not None
+        return matches(self.pattern, tuple(path.split("/")))
 
 
 # -- storage of subscriptions ----------------------------------------------------------
@@ -1022,9 +1009,9 @@ class Subscriptions:
         """Explicit streams and existing pattern matches, acknowledged up to their tails now."""
         links = {path: Link(path, explicit=True) for path in spec.streams}
         if spec.pattern is not None:
-            pattern = compile_pattern(spec.pattern)
+            pattern = tuple(spec.pattern.split("/"))
             for path in self.store.paths():
-                if path != spec.wake_stream and pattern.fullmatch("/" + path):
+                if path != spec.wake_stream and matches(pattern, tuple(path.split("/"))):
                     links.setdefault(path, Link(path)).glob = True
         if len(links) > MAX_LINKS:
             raise InvalidRequest(f"a subscription links at most {MAX_LINKS} streams")
@@ -1509,7 +1496,7 @@ class SubscriptionViews:
                 readable_only(self.subscriptions.claim(sub_id, parse_worker(body)))
             )
         self.subscriptions.require(sub_id)  # 404 before 401
-        token = parse_bearer_token()
+        token = wake_token()
         if action == "release":
             self.subscriptions.release(sub_id, token, parse_ack_request(body))
             return Response(status=204)
