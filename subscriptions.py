@@ -171,8 +171,9 @@ class SubscriptionError(Exception):
         self.details = details
 
 
-class InvalidRequest(SubscriptionError):
-    pass
+class BadSubscriptionRequest(SubscriptionError):
+    """A subscription request the API refuses (400 INVALID_REQUEST); a stream request's
+    400s are protocol.BadRequest and storage's InvalidRequest."""
 
 
 class WebhookUrlRejected(SubscriptionError):
@@ -248,35 +249,37 @@ class AckRequest:
 
 def parse_json_object(data: bytes) -> dict:
     if len(data) > MAX_BODY_BYTES:
-        raise InvalidRequest(f"body is larger than {MAX_BODY_BYTES} bytes")
+        raise BadSubscriptionRequest(f"body is larger than {MAX_BODY_BYTES} bytes")
     if not data.strip():
         return {}
     try:
         value = orjson.loads(data)
     except orjson.JSONDecodeError as error:
-        raise InvalidRequest("body is not valid JSON") from error
+        raise BadSubscriptionRequest("body is not valid JSON") from error
     if not isinstance(value, dict):
-        raise InvalidRequest("body must be a JSON object")
+        raise BadSubscriptionRequest("body must be a JSON object")
     return value
 
 
 def parse_subscription_id(text: str) -> str:
     if SUBSCRIPTION_ID.fullmatch(text) is None:
-        raise InvalidRequest("subscription id: 1-128 of A-Z a-z 0-9 . _ ~ -, not starting . _ ~ -")
+        raise BadSubscriptionRequest(
+            "subscription id: 1-128 of A-Z a-z 0-9 . _ ~ -, not starting . _ ~ -"
+        )
     return text
 
 
 def parse_path(value: object, name: str) -> str:
     """A stream path (or pattern) relative to the root; slashes at either end are dropped."""
     if not isinstance(value, str) or not value.strip("/"):
-        raise InvalidRequest(f"{name} must be a non-empty path")
+        raise BadSubscriptionRequest(f"{name} must be a non-empty path")
     path = value.strip("/")
     try:
         parse_picomq_path(path)
     except BadRequest as error:
-        raise InvalidRequest(f"{name}: {error}") from error
+        raise BadSubscriptionRequest(f"{name}: {error}") from error
     if is_reserved(path):
-        raise InvalidRequest(f"{name}: paths under {RESERVED_PREFIX}/ are reserved")
+        raise BadSubscriptionRequest(f"{name}: paths under {RESERVED_PREFIX}/ are reserved")
     return path
 
 
@@ -284,7 +287,9 @@ def parse_paths(value: object, name: str) -> tuple[str, ...]:
     if value is None:
         return ()
     if not isinstance(value, list) or len(value) > MAX_STREAMS_PER_REQUEST:
-        raise InvalidRequest(f"{name} must be a list of at most {MAX_STREAMS_PER_REQUEST} paths")
+        raise BadSubscriptionRequest(
+            f"{name} must be a list of at most {MAX_STREAMS_PER_REQUEST} paths"
+        )
     return tuple(sorted({parse_path(item, name) for item in value}))
 
 
@@ -294,7 +299,7 @@ def parse_lease_ttl(value: object) -> int:
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if type(value) is not int or not MIN_LEASE_TTL_MS <= value <= MAX_LEASE_TTL_MS:
-        raise InvalidRequest(
+        raise BadSubscriptionRequest(
             f"lease_ttl_ms must be an integer from {MIN_LEASE_TTL_MS} to {MAX_LEASE_TTL_MS}"
         )
     return value
@@ -304,26 +309,28 @@ def parse_spec(body: dict) -> Spec:
     """Validate a PUT body; fields that do not apply to the type are ignored."""
     kind = body.get("type")
     if kind not in TYPES:
-        raise InvalidRequest('type must be "webhook" or "pull-wake"')
+        raise BadSubscriptionRequest('type must be "webhook" or "pull-wake"')
     pattern = None if body.get("pattern") in (None, "") else parse_path(body["pattern"], "pattern")
     streams = parse_paths(body.get("streams"), "streams")
     if pattern is None and not streams:
-        raise InvalidRequest("give a pattern, streams, or both")
+        raise BadSubscriptionRequest("give a pattern, streams, or both")
     webhook_url = wake_stream = None
     if kind == "webhook":
         webhook = body.get("webhook")
         webhook_url = webhook.get("url") if isinstance(webhook, dict) else None
         if not isinstance(webhook_url, str) or not webhook_url:
-            raise InvalidRequest("webhook subscriptions need webhook.url")
+            raise BadSubscriptionRequest("webhook subscriptions need webhook.url")
     else:
         wake_stream = parse_path(body.get("wake_stream"), "wake_stream")
         if wake_stream in streams:
-            raise InvalidRequest("a subscription cannot link its own wake stream")
+            raise BadSubscriptionRequest("a subscription cannot link its own wake stream")
     description = body.get("description")
     if description is not None and (
         not isinstance(description, str) or len(description) > MAX_DESCRIPTION_CHARS
     ):
-        raise InvalidRequest(f"description must be a string of at most {MAX_DESCRIPTION_CHARS}")
+        raise BadSubscriptionRequest(
+            f"description must be a string of at most {MAX_DESCRIPTION_CHARS}"
+        )
     lease_ttl_ms = parse_lease_ttl(body.get("lease_ttl_ms"))
     return Spec(kind, pattern, streams, webhook_url, wake_stream, lease_ttl_ms, description)
 
@@ -331,23 +338,27 @@ def parse_spec(body: dict) -> Spec:
 def parse_worker(body: dict) -> str:
     worker = body.get("worker")
     if not isinstance(worker, str) or not worker or len(worker) > MAX_WORKER_CHARS:
-        raise InvalidRequest(f"worker must be a non-empty string of at most {MAX_WORKER_CHARS}")
+        raise BadSubscriptionRequest(
+            f"worker must be a non-empty string of at most {MAX_WORKER_CHARS}"
+        )
     return worker
 
 
 def parse_ack_request(body: dict) -> AckRequest:
     wake_id, generation = body.get("wake_id"), body.get("generation")
     if not isinstance(wake_id, str) or type(generation) is not int:
-        raise InvalidRequest("give the wake_id (string) and generation (integer) of the wake")
+        raise BadSubscriptionRequest(
+            "give the wake_id (string) and generation (integer) of the wake"
+        )
     raw_acks, done = body.get("acks", []), body.get("done", False)
     if not isinstance(raw_acks, list) or len(raw_acks) > MAX_ACKS:
-        raise InvalidRequest(f"acks must be a list of at most {MAX_ACKS}")
+        raise BadSubscriptionRequest(f"acks must be a list of at most {MAX_ACKS}")
     if not isinstance(done, bool):
-        raise InvalidRequest("done must be true or false")
+        raise BadSubscriptionRequest("done must be true or false")
     acks = []
     for ack in raw_acks:
         if not isinstance(ack, dict) or not isinstance(ack.get("offset"), str):
-            raise InvalidRequest('each ack is {"stream": path, "offset": offset}')
+            raise BadSubscriptionRequest('each ack is {"stream": path, "offset": offset}')
         acks.append((parse_path(ack.get("stream", ack.get("path")), "ack stream"), ack["offset"]))
     return AckRequest(wake_id, generation, tuple(acks), done)
 
@@ -1014,7 +1025,7 @@ class Subscriptions:
                 if path != spec.wake_stream and matches(pattern, tuple(path.split("/"))):
                     links.setdefault(path, Link(path)).glob = True
         if len(links) > MAX_LINKS:
-            raise InvalidRequest(f"a subscription links at most {MAX_LINKS} streams")
+            raise BadSubscriptionRequest(f"a subscription links at most {MAX_LINKS} streams")
         for link in links.values():
             info = self._head(link.path)
             link.acked = Ack(info.incarnation, info.tail) if info else None
@@ -1059,9 +1070,9 @@ class Subscriptions:
         with subscription.lock:
             new = [path for path in paths if path not in subscription.links]
             if len(subscription.links) + len(new) > MAX_LINKS:
-                raise InvalidRequest(f"a subscription links at most {MAX_LINKS} streams")
+                raise BadSubscriptionRequest(f"a subscription links at most {MAX_LINKS} streams")
             if subscription.spec.wake_stream in paths:
-                raise InvalidRequest("a subscription cannot link its own wake stream")
+                raise BadSubscriptionRequest("a subscription cannot link its own wake stream")
             for path in paths:
                 link = subscription.links.get(path)
                 if link is None:
@@ -1335,7 +1346,9 @@ class Subscriptions:
     @staticmethod
     def _require_type(subscription: Subscription, kind: str) -> None:
         if subscription.spec.type != kind:
-            raise InvalidRequest(f"subscription {subscription.id} is not a {kind} subscription")
+            raise BadSubscriptionRequest(
+                f"subscription {subscription.id} is not a {kind} subscription"
+            )
 
     def _check_wake(self, subscription: Subscription, token: str, ack: AckRequest) -> Wake:
         """The current wake, if the token and the request both name it; else FENCED."""
@@ -1362,7 +1375,7 @@ class Subscriptions:
         try:
             position = parse_offset(offset)
         except BadRequest as error:
-            raise InvalidRequest(str(error)) from error
+            raise BadSubscriptionRequest(str(error)) from error
         info = self._head(path)
         if info is None or position > info.tail:
             raise InvalidOffset(f"offset {offset} is beyond the tail of {path}")
@@ -1480,7 +1493,7 @@ class SubscriptionViews:
         body = parse_json_object(request.get_data())
         paths = parse_paths(body.get("streams"), "streams")
         if not paths:
-            raise InvalidRequest("streams must be a non-empty list of paths")
+            raise BadSubscriptionRequest("streams must be a non-empty list of paths")
         require_read(paths)
         self.subscriptions.add_streams(sub_id, paths)
         return Response(status=204)
