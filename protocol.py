@@ -106,6 +106,7 @@ STARTS_AS_ARRAY = re.compile(rb"[ \t\r\n]*\[")
 JSON_ITEMS = msgspec.json.Decoder(list[msgspec.Raw])
 JSON_VALUE = msgspec.json.Decoder(msgspec.Raw)
 FORBIDDEN_PATH_CHARACTERS = re.compile(r"[\x00-\x1f\x7f\\\ufffd]")
+CAMEL_CASE_BOUNDARY = re.compile(r"(?<!^)(?=[A-Z])")
 
 STATUS_OF_ERROR: dict[type[Exception], int] = {
     InvalidRequest: 400,
@@ -421,5 +422,9 @@ def store_error_response(error: StoreError) -> Response:
             PRODUCER_RECEIVED_SEQ: str(error.received),
         }
     status = STATUS_OF_ERROR[type(error)]
-    code = re.sub(r"(?<!^)(?=[A-Z])", "_", type(error).__name__).lower()
-    return error_response(status, code, str(error), headers)
+    return error_response(status, "_".join(words_of(type(error))), str(error), headers)
+
+
+def words_of(error_class: type[Exception]) -> list[str]:
+    """The words of an exception's CamelCase name: `ProducerGap` is `producer gap`."""
+    return CAMEL_CASE_BOUNDARY.sub(" ", error_class.__name__).lower().split()
