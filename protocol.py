@@ -34,7 +34,6 @@ from storage import (
     ProducerFenced,
     ProducerGap,
     ReadResult,
-    StorageUnavailable,
     StoreError,
     StreamClosed,
     StreamConflict,
@@ -108,7 +107,9 @@ JSON_VALUE = msgspec.json.Decoder(msgspec.Raw)
 FORBIDDEN_PATH_CHARACTERS = re.compile(r"[\x00-\x1f\x7f\\\ufffd]")
 CAMEL_CASE_BOUNDARY = re.compile(r"(?<!^)(?=[A-Z])")
 
-STATUS_OF_ERROR: dict[type[Exception], int] = {
+# Storage that fails (objectstore.StorageUnavailable) is no store outcome: its 503 is
+# storage_unavailable_response.
+STATUS_OF_ERROR: dict[type[StoreError], int] = {
     InvalidRequest: 400,
     ProducerFenced: 403,
     StreamNotFound: 404,
@@ -117,7 +118,6 @@ STATUS_OF_ERROR: dict[type[Exception], int] = {
     ProducerGap: 409,
     StreamGone: 410,
     OffsetTrimmed: 410,
-    StorageUnavailable: 503,
 }
 
 
