@@ -32,12 +32,12 @@ from werkzeug.http import HTTP_STATUS_CODES
 
 from auth import PRIVATE_ANSWER_HEADERS, Verifier, bearer_credentials
 from decimals import parse_decimal
-from fanout import DIRECT_WRITER_ENVIRON_KEY
 from logs import REQUEST_ID_HEADER, log_request, request_id_from
 from metrics import count_append, get_metrics
 from protocol import (
     CLOSED,
     COMMON_HEADERS,
+    DIRECT_WRITER_ENVIRON_KEY,
     FAST_APPEND_FAILURE,
     PRODUCER_HEADERS,
     STREAM_PREFIX,

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from flask import Response, g, request
+from flask import Response, request
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -192,18 +192,14 @@ def is_auth_failure(response: Response) -> bool:
 
 
 def count_request_start(metrics: Metrics) -> None:
-    """Before the view: count a stream read, and hold a live one until its response closes."""
+    """Before the view: count a stream read (live.LiveConnections counts those open)."""
     mode = read_mode()
-    if mode is None:
-        return
-    metrics.reads.labels(mode).inc()
-    if mode in LIVE_MODES:
-        g.live_mode = mode
-        metrics.live_connections.labels(mode).inc()
+    if mode is not None:
+        metrics.reads.labels(mode).inc()
 
 
 def count_response(metrics: Metrics, response: Response) -> None:
-    """After the view: errors, auth failures, appends; a live read ends when its body does."""
+    """After the view: errors, auth failures, appends."""
     status = response.status_code
     if status >= 400:
         metrics.errors.labels(str(status)).inc()
@@ -211,16 +207,6 @@ def count_response(metrics: Metrics, response: Response) -> None:
             metrics.auth_failures.inc()
     elif request.method == "POST" and names_a_stream(request.path):
         count_append(metrics, request.headers.get("Content-Type"), request.content_length or 0)
-    live_mode = g.pop("live_mode", None)
-    if live_mode is not None:  # an SSE body is still to come: the connection ends on close
-        response.call_on_close(metrics.live_connections.labels(live_mode).dec)
-
-
-def release_live_connection(metrics: Metrics) -> None:
-    """At teardown: a live read that never got as far as a response still ends."""
-    live_mode = g.pop("live_mode", None)
-    if live_mode is not None:
-        metrics.live_connections.labels(live_mode).dec()
 
 
 def names_a_stream(url_path: str) -> bool:

@@ -26,7 +26,6 @@ from metrics import (
     count_response,
     get_metrics,
     metrics_view,
-    release_live_connection,
 )
 from protocol import (
     NO_STORE,
@@ -110,10 +109,6 @@ def install_request_hooks(app: Flask, store: StreamStore) -> None:
         count_response(metrics, response)
         echo_and_log(response)
         return response
-
-    @app.teardown_request
-    def teardown(error: BaseException | None) -> None:
-        release_live_connection(metrics)
 
 
 def healthz() -> Response:

@@ -10,21 +10,16 @@ Flask starts on them, with the same answer.
 
 from __future__ import annotations
 
-import base64
 import logging
-import time
-from collections.abc import Callable, Generator, Iterable, Iterator
+from collections.abc import Callable, Iterable
 
-import orjson
 from flask import Flask, request
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from auth import register_auth
-from fanout import DIRECT_WRITER_ENVIRON_KEY, DirectWriter, Fanout, Follower
 from fastpath import FastAppends
-from limits import LiveConnections
-from metrics import MeasuredObjectStore
-from objectstore import ObjectCache
+from live import EventStreams, LiveConnections, live_wait
+from metrics import MeasuredObjectStore, get_metrics
 from ops import register_operations
 from protocol import (
     CACHEABLE,
@@ -32,6 +27,7 @@ from protocol import (
     COMMON_HEADERS,
     CURSOR,
     DEFAULT_CONTENT_TYPE,
+    DIRECT_WRITER_ENVIRON_KEY,
     EARLIEST_OFFSET,
     EXPIRES_AT,
     FAST_APPEND_FAILURE,
@@ -45,14 +41,12 @@ from protocol import (
     RETENTION_AGE,
     RETENTION_BYTES,
     RETRY_AFTER_SECONDS,
-    SSE_DATA_ENCODING,
     STREAM_PREFIX,
     STREAM_SEQ,
     TTL,
     UP_TO_DATE,
     BadRequest,
     Response,
-    advanced_cursor,
     append_answer,
     code_of_reason,
     empty_body,
@@ -87,56 +81,13 @@ from storage import (
     StoreSettings,
     StreamClosed,
     StreamConflict,
-    StreamInfo,
     StreamStore,
     is_json_type,
 )
 from streamlocks import StreamLocks
 from subscriptions import register_subscriptions
-from wakeups import WaitsEnded, waits_ended
 
 log = logging.getLogger("picomq")
-
-SSE_CACHE_BYTES = 32 * 1024 * 1024  # formatted SSE event pairs shared by subscribers
-
-
-class EventStreamResponse(Response):
-    """An SSE answer whose generator the server iterates itself, with nothing between.
-
-    Werkzeug hands the server a ClosingIterator over its `iter_encoded` generator: two
-    more frames on the stack of every open SSE connection, 17 MiB at 10,000 subscribers
-    (`bench/compare.py --only fanout-10000`: 308 → 291 MiB). The events are bytes already.
-    """
-
-    def get_app_iter(self, environ: dict) -> Iterable[bytes]:
-        return GeneratorBody(self.response, self.close)
-
-    def __call__(self, environ: dict, start_response: Callable) -> Iterable[bytes]:
-        """Forget the headers once handed to the server: the body keeps this response
-        until it closes, and 10,000 subscribers' copies held 5 MiB (scratch probe)."""
-        body = super().__call__(environ, start_response)
-        self.headers.clear()
-        return body
-
-
-class GeneratorBody:
-    """Iterates as its generator itself; closing it closes the generator, then the response."""
-
-    __slots__ = ("events", "close_response")
-
-    def __init__(
-        self, events: Generator[bytes, None, None], close_response: Callable[[], None]
-    ) -> None:
-        self.events, self.close_response = events, close_response
-
-    def __iter__(self) -> Iterator[bytes]:
-        return self.events
-
-    def close(self) -> None:
-        try:
-            self.events.close()
-        finally:
-            self.close_response()
 
 
 # -- reading the request ------------------------------------------------------------
@@ -297,9 +248,9 @@ class StreamViews:
     def __init__(self, store: StreamStore, settings: Settings) -> None:
         self.store = store
         self.settings = settings
-        self.live_connections = LiveConnections(settings.max_live_connections)
-        self.sse_cache = ObjectCache(SSE_CACHE_BYTES)
-        self.fanout = Fanout(store, self.sse_event, advanced_cursor, settings.long_poll_timeout)
+        live_gauge = get_metrics().live_connections
+        self.live_connections = LiveConnections(settings.max_live_connections, live_gauge)
+        self.event_streams = EventStreams(store, settings)
 
     def dispatch(self, path: str) -> Response:
         handlers = {
@@ -450,16 +401,16 @@ class StreamViews:
             raise BadRequest("live reads need an offset")
         if live not in ("long-poll", "sse"):
             raise BadRequest("live must be 'long-poll' or 'sse'")
-        if not self.live_connections.admit():
+        if not self.live_connections.admit(live):
             return error_response(
                 503, "too_many_live_connections", "this worker serves its most live reads; retry",
                 {"Retry-After": RETRY_AFTER_SECONDS},
             )  # fmt: skip
         try:
             view = self.long_poll if live == "long-poll" else self.sse
-            return self.live_connections.hold_until_closed(view(path, offset_text))
+            return self.live_connections.hold_until_closed(view(path, offset_text), live)
         except BaseException:
-            self.live_connections.release()  # no response will be closed to release it
+            self.live_connections.release(live)  # no response will be closed to release it
             raise
 
     def start_of_live_read(self, path: str, offset_text: str) -> tuple[int, str | None]:
@@ -500,7 +451,7 @@ class StreamViews:
         position, incarnation = self.start_of_live_read(path, offset_text)
         cursor = {CURSOR: next_cursor(request.args.get("cursor"))}
         timeout = self.settings.long_poll_timeout
-        info = self.live_wait(path, position, timeout, incarnation)
+        info = live_wait(self.store, path, position, timeout, incarnation)
         if info.tail > position:
             result = self.store.read(path, position, incarnation=info.incarnation, after_wait=True)
             return self.read_response(result, cursor)
@@ -508,127 +459,14 @@ class StreamViews:
         headers.update({UP_TO_DATE: "true", "Cache-Control": NO_STORE, **cursor})
         return Response(status=204, headers=headers)
 
-    def live_wait(
-        self, path: str, offset: int, timeout: float, incarnation: str | None
-    ) -> StreamInfo:
-        """The store's wait, cut short when the worker stops: then the stream as it is,
-        so the live read answers at once with what it has, and its client resumes from
-        Stream-Next-Offset on the next server instead of holding the stop."""
-        try:
-            return self.store.wait(path, offset, timeout, incarnation=incarnation)
-        except WaitsEnded:
-            return self.store.wait(path, offset, 0.0, incarnation=incarnation)
-
     def sse(self, path: str, offset_text: str) -> Response:
         requested, incarnation = self.start_of_live_read(path, offset_text)
         # A bad offset is a 400, before the 200; one inside an append starts at the append.
-        result = self.store.read(path, requested, incarnation=incarnation)
-        info, offset = result.info, result.start
-        headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-        if not is_json_type(info.content_type) and not info.content_type.startswith("text/"):
-            headers[SSE_DATA_ENCODING] = "base64"
-        cursor = request.args.get("cursor")
-        next_cursor(cursor)  # only to refuse a malformed one (400) before the 200
+        # The response's first event is made of this read.
+        first = self.store.read(path, requested, incarnation=incarnation)
+        cursor = next_cursor(request.args.get("cursor"))  # a malformed one: 400, before the 200
         writer = request.environ.get(DIRECT_WRITER_ENVIRON_KEY)
-        base64_data = SSE_DATA_ENCODING in headers
-        events = self.sse_events(path, info.incarnation, offset, cursor, base64_data, writer)
-        return EventStreamResponse(events, 200, headers)
-
-    def sse_event(
-        self, path: str, info: StreamInfo, offset: int, cursor: str, base64_data: bool
-    ) -> tuple[int, bytes]:
-        """The data event from `offset` (if any) and its control event, built once.
-
-        Stream bytes never change, so what one subscriber is sent for a place in the
-        stream (offset, tail, closed, cursor) is right for every subscriber there: a
-        message to 10,000 subscribers is read and formatted once, then only written.
-        The data may end before the tail (the read cap); the next pass goes on from it.
-        """
-        key = (info.incarnation, offset, info.tail, info.closed, cursor, base64_data)
-        cached = self.sse_cache.get(key)
-        if cached is not None:
-            return int.from_bytes(cached[:8], "big"), cached[8:]
-        end, data_event = offset, b""
-        if info.tail > offset:
-            result = self.store.read(path, offset, incarnation=info.incarnation, after_wait=True)
-            end, data_event = result.end, format_data_event(b"".join(result.chunks), base64_data)
-        # One write per pair: a reader never sees a data event without its control.
-        event = data_event + format_control_event(info, end, cursor)
-        self.sse_cache.put(key, end.to_bytes(8, "big") + event)
-        return end, event
-
-    def sse_events(
-        self,
-        path: str,
-        incarnation: str,
-        offset: int,
-        client_cursor: str | None,
-        base64_data: bool,
-        writer: DirectWriter | None,
-    ) -> Generator[bytes, None, None]:
-        """Data events each followed by a control event, until closed, the deadline or
-        the worker's stop.
-
-        At the tail, with a server that offers its connection (`writer`), the stream's
-        broadcaster writes the events (fanout.py) until it hands the connection back.
-        The events come from one incarnation of the stream: when it is deleted the
-        response ends, even if a new stream is created at the path.
-        """
-        deadline = time.monotonic() + self.settings.sse_max_duration
-        timeout = 0.0  # the first pass answers at once: history, or where the tail is
-        cursor = next_cursor(client_cursor)
-        try:
-            while True:
-                info = self.live_wait(path, offset, timeout, incarnation)
-                cursor = advanced_cursor(cursor)
-                offset, event = self.sse_event(path, info, offset, cursor, base64_data)
-                yield event
-                at_end = info.closed and offset == info.tail
-                if at_end or time.monotonic() >= deadline or waits_ended():
-                    return
-                timeout = min(self.settings.long_poll_timeout, deadline - time.monotonic())
-                if writer is None or offset != info.tail:
-                    continue
-                follower = Follower(
-                    writer, incarnation, offset, cursor, base64_data, writer.chunked
-                )
-                if not self.fanout.follow(path, follower, timeout):
-                    continue
-                if follower.failed:
-                    return
-                if follower.unsent:
-                    writer.send_rest(follower.unsent)
-                if follower.closed:
-                    return
-                offset, cursor = follower.offset, follower.cursor
-                if follower.timed_out:
-                    timeout = 0.0  # the pass that ends the response, or a control event
-        except (StoreError, StorageUnavailable, OSError) as error:  # OSError: from send_rest
-            log.info("SSE on %s ended: %s", path, error)
-
-
-def format_data_event(data: bytes, base64_data: bool) -> bytes:
-    """One `data:` field per line of the data (CR, LF and CRLF all end a line in SSE).
-
-    SSE parsers drop one space after `data:`, so a line that starts with a space gets
-    one more; other lines get none, as the conformance suite expects (`data:line1`).
-    """
-    text = base64.b64encode(data) if base64_data else data
-    lines = text.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
-    fields = (b"data: " + line if line[:1] == b" " else b"data:" + line for line in lines)
-    return b"event: data\n" + b"\n".join(fields) + b"\n\n"
-
-
-def format_control_event(info: StreamInfo, offset: int, cursor: str) -> bytes:
-    control: dict[str, object] = {"streamNextOffset": format_offset(offset)}
-    at_tail = offset == info.tail
-    if info.closed and at_tail:
-        control["streamClosed"] = True
-    else:
-        control["streamCursor"] = cursor
-    if at_tail:
-        control["upToDate"] = True
-    return b"event: control\ndata:" + orjson.dumps(control) + b"\n\n"
+        return self.event_streams.response(path, first, cursor, writer)
 
 
 if __name__ == "__main__":  # `python -m picomq <command>`: the operator commands in cli.py

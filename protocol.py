@@ -92,6 +92,9 @@ COMMON_HEADERS = (*SECURITY_HEADERS.items(), *CORS_HEADERS.items())  # on every 
 PRODUCER_HEADERS = (PRODUCER_ID, PRODUCER_EPOCH, PRODUCER_SEQ)  # parse_producer's arguments
 # fastpath.py hands a plain append whose store call failed to the view under this key.
 FAST_APPEND_FAILURE = "picomq.fast_append_failure"
+# The server may offer its connection under this key (worker.py): live.py writes SSE
+# events to subscribers at the tail through it, fastpath.py a plain append's answer.
+DIRECT_WRITER_ENVIRON_KEY = "picomq.direct_writer"
 # A stream's bytes are whatever its writers sent (text/html, SVG, ...), served from this
 # origin, where read links may carry a token: a browser that opens one as a page runs
 # none of it, gives it an origin of its own, and loads nothing for it.

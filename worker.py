@@ -43,7 +43,7 @@ preamble sat on the hottest path PicoMQ has. Here a write is first offered to th
 kernel once, without blocking; only what the kernel does not take at once goes through
 gevent's `sendall`, which waits for the socket to drain. Measured with bench/compare.py
 (`--only fanout-10000`): p99 delivery latency to 10,000 subscribers 1.0 s → 0.7 s.
-The handler also offers its connection to the app, in the environ, as fanout.py's
+The handler also offers its connection to the app, in the environ, as live.py's
 DirectWriter: the SSE fan-out writes events to parked subscribers through it, between
 the app's own writes, framed as pywsgi frames what the app yields. And as fastpath.py's
 AnswerWriter: a plain append's answer goes out as one piece, made by the fast path.
@@ -77,8 +77,7 @@ from gevent.pywsgi import Input, format_date_time
 from gunicorn.workers.ggevent import GeventPyWSGIWorker, PyWSGIHandler, PyWSGIServer
 
 from decimals import DECIMAL_PATTERN
-from fanout import DIRECT_WRITER_ENVIRON_KEY
-from protocol import code_of_reason, error_body
+from protocol import DIRECT_WRITER_ENVIRON_KEY, code_of_reason, error_body
 from settings import Settings
 from wakeups import end_waits
 
@@ -426,7 +425,7 @@ class PicoMQHandler(PyWSGIHandler):
             environ["wsgi.url_scheme"] = self.url_scheme
         return environ
 
-    # -- the connection as a DirectWriter (fanout.py): the SSE fan-out writes through it
+    # -- the connection as a DirectWriter (live.py): the SSE fan-out writes through it
 
     @property
     def chunked(self) -> bool:

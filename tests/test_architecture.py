@@ -20,7 +20,17 @@ REPO_DIR = Path(__file__).resolve().parent.parent
 KNOWN_CIRCLES: tuple[frozenset[str], ...] = (frozenset({"storage", "compaction", "retention"}),)
 # The app's assembly and its HTTP modules import at the top, never inside a function:
 # their imports are the order they are read in, and nothing waits for a call to load.
-HTTP_MODULES = ("wsgi", "picomq", "protocol", "auth", "ops", "subscriptions", "fastpath")
+HTTP_MODULES = (
+    "wsgi",
+    "picomq",
+    "protocol",
+    "live",
+    "fastpath",
+    "auth",
+    "ops",
+    "subscriptions",
+    "worker",
+)
 
 
 def project_modules() -> dict[str, Path]:
