@@ -29,6 +29,7 @@ HTTP_MODULES = (
     "auth",
     "ops",
     "subscriptions",
+    "webhooks",
     "worker",
 )
 

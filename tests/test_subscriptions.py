@@ -34,8 +34,8 @@ from processes import free_port
 
 from auth import matches
 from settings import Settings
-from subscriptions import (
-    WebhookSigner,
+from subscriptions import WebhookSigner
+from webhooks import (
     WebhookTarget,
     WebhookUrlRejected,
     check_webhook_url,
