@@ -3,13 +3,18 @@
 Most requests a stream server takes are plain appends: a POST to a stream with a body
 of declared length and a Content-Type, from an idempotent producer or not; no query, no
 Stream-Closed or Stream-Seq header; and, when tokens are checked, a bearer token that
-grants the append. Through Flask, such an append paid more for Flask than for itself: one
-100-byte message cost the worker 490 µs, of which the store's work, body read and
-JSON split included, was about 190 µs (bench/ceiling.py: 2,080 appends/s on one
-stream against 5,340 with the store behind a bare WSGI callable; batches of 1,000
-messages 94 against 127 MB/s). So they are served here, from the WSGI environ,
-through the calls the view makes, with the status, headers, metrics and access line
-that the view and the request hooks give.
+grants the append. Through Flask, such an append paid more for Flask's request machinery
+than for the append itself (bench/ceiling.py; figures: bench/README.md). So they are
+served here, from the WSGI environ, through the calls the view makes, with the status,
+headers, metrics and access line that the view and the request hooks give.
+
+This is an accelerator: the reference is the stream view (picomq.py's
+`StreamViews.append`), which answers every append, on any WSGI server, and this path
+must answer as it does. tests/test_fastpath.py holds the two equal in process (each
+append through `app`, which offers it here first, and through `app.wsgi_app`, Flask
+alone: status, headers, metrics and access line), and tests/test_worker.py's
+`test_a_fast_append_is_answered_with_the_bytes_flask_s_answer_has` over HTTP, byte
+for byte.
 
 Everything else is Flask's, and so is every refusal:
 - a request that is not a plain append goes to Flask untouched (so does one whose token
@@ -156,8 +161,9 @@ class FastAppends:
         count_append(self.metrics, content_type, body_bytes)
         remote_addr = environ.get("REMOTE_ADDR")
         log_request("POST", environ["PATH_INFO"], {}, status, remote_addr, started, request_id)
-        # The answer goes last. Sent before the two calls above, it cost S3 a quarter of
-        # each batch (45 messages per PUT, not 60) and one stream's appends 3-7 %.
+        # The answer goes last. Sent before the two calls above, it made S3's group
+        # commits smaller and one stream's appends slower (measured, not explained:
+        # bench/README.md).
         writer: AnswerWriter | None = environ.get(DIRECT_WRITER_ENVIRON_KEY)
         if writer is None:  # another WSGI server
             start_response(status_line, fields)

@@ -7,17 +7,23 @@ The fan-out: one greenlet per stream writes each new event to every caught-up su
 
 Left to themselves, 10,000 SSE subscribers of one stream mean 10,000 greenlets woken
 for every event, each switched in (gevent copies its C stack back), checking the stream,
-looking its event up and writing it through pywsgi: in py-spy the switch alone was 28 %
-of that work, and an event took 0.5–1 s to reach the last subscriber. Here a subscriber
-at the tail hands its connection to the stream's broadcaster (`Fanout.follow`), which
-builds each event once per cursor and writes it straight to every socket, without
-blocking and without switching into anyone's greenlet.
+looking its event up and writing it through pywsgi: the switches alone were a large part
+of that work, and the last subscribers got each event late (figures: bench/README.md).
+Here a subscriber at the tail hands its connection to the stream's broadcaster
+(`Fanout.follow`), which builds each event once per cursor and writes it straight to
+every socket, without blocking and without switching into anyone's greenlet.
+
+The fan-out is an accelerator: it needs a server that offers its connection (worker.py),
+and without one every response writes its own events, the reference path, complete on
+its own. tests/test_fanout.py holds what subscribers get through the fan-out to that:
+every event once, in order, framed as the response frames it, a control event each
+long-poll timeout, an end when the stream is closed or deleted.
 
 The broadcaster writes only while the subscriber's own greenlet is parked in `follow`,
 between the response's own writes, framed as the response frames them, so the two
 never interleave. It hands the connection back when the subscriber's time is up (the
-long-poll timeout, after which the response sends its periodic control event, or the SSE's
-maximum duration), when the kernel does not take a whole event at once (the rest goes
+long-poll timeout, after which the response sends its periodic control event, or the
+SSE's maximum duration), when the kernel does not take a whole event at once (the rest goes
 out from the subscriber's greenlet, which can wait for the socket to drain), when the
 connection fails, when the stream closes, and when the broadcaster meets an error (the
 subscriber's next wait meets it too, and ends the response as before), and when the
@@ -106,8 +112,8 @@ class EventStreamResponse(Response):
     """An SSE answer whose generator the server iterates itself, with nothing between.
 
     Werkzeug hands the server a ClosingIterator over its `iter_encoded` generator: two
-    more frames on the stack of every open SSE connection, 17 MiB at 10,000 subscribers
-    (`bench/compare.py --only fanout-10000`: 308 → 291 MiB). The events are bytes already.
+    more frames on the stack of every open SSE connection, for as long as it is open
+    (figures: bench/README.md). The events are bytes already.
     """
 
     def get_app_iter(self, environ: dict) -> Iterable[bytes]:
@@ -115,7 +121,7 @@ class EventStreamResponse(Response):
 
     def __call__(self, environ: dict, start_response: Callable) -> Iterable[bytes]:
         """Forget the headers once handed to the server: the body keeps this response
-        until it closes, and 10,000 subscribers' copies held 5 MiB (scratch probe)."""
+        until it closes, and with it headers nobody reads again, in every subscriber."""
         body = super().__call__(environ, start_response)
         self.headers.clear()
         return body

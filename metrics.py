@@ -59,15 +59,13 @@ class TurnWrites:
     """Metric updates held in memory and written together when the event loop's turn ends.
 
     Each update of a multiprocess metric takes a lock, checks the pid and writes its
-    file: 2.4 µs in the server, where a tight loop makes it 1.0, and a group commit
-    makes five (the storage put's counter and latency, the batch size) besides two per
-    append. A commit's appends, and the commits whose syncs one batch of creates
-    shared, are answered in one turn of the loop, so under the gevent worker, which
-    sets `defer` (gunicorn.conf.py), counters are added up and histograms observed one
-    after the other when the turn ends. Over 1,000 streams, where each append is a
-    commit of its own, that made 3.5 % more appends a second, every pair of reps ahead
-    (`bench/ab.py 4c3fe6e --new 74d6d95 --load appends-1000 --reps 6`: 4,570 against
-    4,416), p99 unchanged. Without `defer` every update is written at once.
+    file, and a group commit makes five (the storage put's counter and latency, the
+    batch size) besides two per append. A commit's appends, and the commits whose syncs
+    one batch of creates shared, are answered in one turn of the loop, so under the
+    gevent worker, which sets `defer` (gunicorn.conf.py), counters are added up and
+    histograms observed one after the other when the turn ends: more appends a second
+    over 1,000 streams, where each append is a commit of its own (figures:
+    bench/README.md). Without `defer` every update is written at once.
     """
 
     def __init__(self) -> None:

@@ -246,15 +246,15 @@ def parse_json_payload(
 
     Each message is kept byte for byte as sent: msgspec validates the whole text and
     hands back each item as a view of the body, so no message becomes a Python object
-    and is serialised again: 0.2 ms instead of 1.4 ms for a batch of 1,000 messages.
-    Numbers stay exact at any width, and whitespace inside a message stays. An array
-    of more than `max_messages` items is refused (413) before it is parsed: each item
-    costs a view object, and tiny ones cost far more than their bytes.
+    and is serialised again (figures: bench/README.md). Numbers stay exact at any
+    width, and whitespace inside a message stays. An array of more than `max_messages`
+    items is refused (413) before it is parsed: each item costs a view object, and tiny
+    ones cost far more than their bytes.
 
     Every level of nesting takes a pair of brackets, so a message of n bytes nests at
     most n // 2 deep: a batch of short messages cannot pass the depth limit and skips
-    the bracket scan (0.09 ms of a 100 KB batch's 1.1 ms). msgspec itself stops at
-    Python's recursion limit, far deeper than ours, so it parses first.
+    the bracket scan. msgspec itself stops at Python's recursion limit, far deeper than
+    ours, so it parses first.
     """
     if not body.isascii():
         try:

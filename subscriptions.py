@@ -908,7 +908,7 @@ class Subscriptions:
         """Store listener: runs in the writer's greenlet, so hand the work to another.
 
         Every commit calls it. With no subscription known and no refresh due there is
-        nothing to hand over, and a greenlet (9 µs here) would be spent per commit.
+        nothing to hand over, and a greenlet would be spent on every commit for nothing.
         """
         if self._subscriptions or self._refresh_due():
             gevent.spawn(self._handle_change, info)
