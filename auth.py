@@ -37,7 +37,6 @@ import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from urllib.parse import unquote_plus
 
 import jwt
@@ -46,15 +45,16 @@ from cryptography.hazmat.primitives.asymmetric.rsa import RSAPrivateKey
 from cryptography.hazmat.primitives.serialization import load_pem_private_key, load_pem_public_key
 from flask import Flask, Response, current_app, g, request
 
-from picomq import (
+from protocol import (
     FORKED_FROM,
-    RESERVED_PREFIX,
     STREAM_PREFIX,
     BadRequest,
     error_response,
+    is_reserved,
     parse_fork_source,
+    words_of,
 )
-from settings import Settings
+from settings import Settings, read_pem
 
 log = logging.getLogger("picomq.auth")
 
@@ -241,13 +241,12 @@ class Verifier:
 
 def describe(error: jwt.PyJWTError) -> str:
     """A reason for the caller that never quotes the token (PyJWT's messages do not)."""
-    return re.sub(r"(?<!^)(?=[A-Z])", " ", type(error).__name__).lower()
+    return " ".join(words_of(type(error)))
 
 
 def load_signing_key(text: str) -> tuple[object, str]:
     """A private key (PEM text or a PEM file's path) and its algorithm, for minting."""
-    pem = text if text.lstrip().startswith("-----BEGIN") else Path(text.strip()).read_text()
-    key = load_pem_private_key(pem.encode(), password=None)
+    key = load_pem_private_key(read_pem(text).encode(), password=None)
     if isinstance(key, Ed25519PrivateKey):
         return key, "EdDSA"
     if isinstance(key, RSAPrivateKey):
@@ -343,7 +342,7 @@ def required_grants(anonymous_endpoints: frozenset[str]) -> list[tuple[str, str]
         return [("admin", request.path.lstrip("/"))]
     # The stream view's own argument, so the path checked is the path served.
     path = view_args["path"] if request.endpoint == "stream" else request.path[len(STREAM_PREFIX) :]
-    if path.split("/", 1)[0] == RESERVED_PREFIX:
+    if is_reserved(path):
         return [("admin", path)]
     action = ACTION_OF_METHOD.get(request.method)
     if action is None:

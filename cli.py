@@ -133,9 +133,6 @@ def reason(error: requests.RequestException) -> str:
     return "connection refused" if "refused" in text.lower() else type(error).__name__
 
 
-pass_client = click.make_pass_decorator(Client)
-
-
 def client_command(function: Any) -> Any:
     """A subcommand that talks to a server: `--url`/PICOMQ_URL, token from PICOMQ_TOKEN."""
 

@@ -3,13 +3,18 @@
 Most requests a stream server takes are plain appends: a POST to a stream with a body
 of declared length and a Content-Type, from an idempotent producer or not; no query, no
 Stream-Closed or Stream-Seq header; and, when tokens are checked, a bearer token that
-grants the append. Through Flask, such an append paid more for Flask than for itself: one
-100-byte message cost the worker 490 µs, of which the store's work, body read and
-JSON split included, was about 190 µs (bench/ceiling.py: 2,080 appends/s on one
-stream against 5,340 with the store behind a bare WSGI callable; batches of 1,000
-messages 94 against 127 MB/s). So they are served here, from the WSGI environ,
-through the calls the view makes, with the status, headers, metrics and access line
-that the view and the request hooks give.
+grants the append. Through Flask, such an append paid more for Flask's request machinery
+than for the append itself (bench/ceiling.py; figures: bench/README.md). So they are
+served here, from the WSGI environ, through the calls the view makes, with the status,
+headers, metrics and access line that the view and the request hooks give.
+
+This is an accelerator: the reference is the stream view (picomq.py's
+`StreamViews.append`), which answers every append, on any WSGI server, and this path
+must answer as it does. tests/test_fastpath.py holds the two equal in process (each
+append through `app`, which offers it here first, and through `app.wsgi_app`, Flask
+alone: status, headers, metrics and access line), and tests/test_worker.py's
+`test_a_fast_append_is_answered_with_the_bytes_flask_s_answer_has` over HTTP, byte
+for byte.
 
 Everything else is Flask's, and so is every refusal:
 - a request that is not a plain append goes to Flask untouched (so does one whose token
@@ -32,25 +37,27 @@ from werkzeug.http import HTTP_STATUS_CODES
 
 from auth import PRIVATE_ANSWER_HEADERS, Verifier, bearer_credentials
 from decimals import parse_decimal
-from fanout import DIRECT_WRITER_ENVIRON_KEY
 from logs import REQUEST_ID_HEADER, log_request, request_id_from
 from metrics import count_append, get_metrics
-from picomq import (
+from protocol import (
     CLOSED,
     COMMON_HEADERS,
+    DIRECT_WRITER_ENVIRON_KEY,
     FAST_APPEND_FAILURE,
     PRODUCER_HEADERS,
-    RESERVED_PREFIX,
     STREAM_PREFIX,
     STREAM_SEQ,
     BadRequest,
-    StreamViews,
     append_answer,
+    is_reserved,
     parse_content_type,
+    parse_payload,
     parse_producer,
     parse_stream_path,
     read_up_to,
 )
+from settings import Settings
+from storage import StreamStore
 from streams import AppendRequest, AppendResult
 
 
@@ -86,11 +93,12 @@ PRODUCER_KEYS = tuple(map(environ_key, PRODUCER_HEADERS))
 class FastAppends:
     """The WSGI answer to plain appends; None for every request Flask must serve."""
 
-    def __init__(self, views: StreamViews, max_body_bytes: int, verifier: Verifier | None) -> None:
+    def __init__(self, store: StreamStore, settings: Settings, verifier: Verifier | None) -> None:
         """`verifier`: the tokens' checker when tokens are checked, else None."""
-        self.views = views
-        self.store = views.store
-        self.max_body_bytes = max_body_bytes
+        self.store = store
+        self.max_body_bytes = settings.max_request_bytes
+        self.max_json_depth = settings.max_json_depth
+        self.max_append_messages = settings.max_append_messages
         self.verifier = verifier
         # Headers after the request id: a token-checked answer is private, as in Flask.
         self.closing_headers = PRIVATE_ANSWER_HEADERS if verifier is not None else ()
@@ -107,7 +115,13 @@ class FastAppends:
             if len(body) < length:
                 raise BadRequest("the body ended early")  # the view words the answer
             content_type = parse_content_type(environ.get("CONTENT_TYPE"), required=True)
-            payload = self.views.parse_payload(content_type, body, allow_empty=False)
+            payload = parse_payload(
+                content_type,
+                body,
+                allow_empty=False,
+                max_depth=self.max_json_depth,
+                max_messages=self.max_append_messages,
+            )
             producer = parse_producer(*map(environ.get, PRODUCER_KEYS))
         except Exception:  # noqa: BLE001 - the view meets it again, and answers as always
             environ["wsgi.input"] = io.BytesIO(body)
@@ -148,8 +162,9 @@ class FastAppends:
         count_append(self.metrics, content_type, body_bytes)
         remote_addr = environ.get("REMOTE_ADDR")
         log_request("POST", environ["PATH_INFO"], {}, status, remote_addr, started, request_id)
-        # The answer goes last. Sent before the two calls above, it cost S3 a quarter of
-        # each batch (45 messages per PUT, not 60) and one stream's appends 3-7 %.
+        # The answer goes last. Sent before the two calls above, it made S3's group
+        # commits smaller and one stream's appends slower (measured, not explained:
+        # bench/README.md).
         writer: AnswerWriter | None = environ.get(DIRECT_WRITER_ENVIRON_KEY)
         if writer is None:  # another WSGI server
             start_response(status_line, fields)
@@ -178,7 +193,7 @@ class FastAppends:
         if not environ.keys().isdisjoint(NOT_PLAIN):
             return None
         path = path_info[len(STREAM_PREFIX) :]
-        if path.split("/", 1)[0] == RESERVED_PREFIX:
+        if is_reserved(path):
             return None
         try:
             return parse_stream_path(path)

@@ -1,16 +1,15 @@
-"""Limits on what one request may cost a worker: live connections and JSON nesting.
+"""Limits on what a JSON body may cost a worker: its nesting and its number of items.
 
-Both are checked before the expensive part starts: a live read is refused with 503
-before it waits, and a JSON body nested too deeply is refused with 400 before a
-recursive parser or serialiser could run out of stack on it.
+Both are checked on the bytes, before the expensive part starts: a JSON body nested
+too deeply is refused with 400 before a recursive parser or serialiser could run out
+of stack on it, and an array of too many items with 413 before a parser makes an
+object of each. (Live connections are counted in live.py.)
 """
 
 from __future__ import annotations
 
 import functools
 import re
-
-from flask import Response
 
 # Brackets and quotes are all the depth check needs of a JSON text; a quoted run left
 # after empty strings are dropped holds only brackets that were inside strings.
@@ -22,43 +21,15 @@ BRACES_AS_BRACKETS = bytes.maketrans(b"{}", b"[]")
 ESCAPED_BACKSLASH_OR_QUOTE = re.compile(rb'\\[\\"]')
 
 
-class LiveConnections:
-    """Counts the long-poll and SSE responses one worker has in flight, up to a limit.
-
-    A gevent worker runs its greenlets on one thread and switches only on I/O, so a
-    plain counter is exact without a lock. A live response holds its slot until it is
-    closed (its body finished or the client gone), not just until its view returns.
-    """
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.in_flight = 0
-
-    def admit(self) -> bool:
-        """Take a slot; False when every slot is taken (answer 503, do not wait)."""
-        if self.in_flight >= self.limit:
-            return False
-        self.in_flight += 1
-        return True
-
-    def release(self) -> None:
-        self.in_flight -= 1
-
-    def hold_until_closed(self, response: Response) -> Response:
-        """Give the slot taken by `admit` back when the response is closed."""
-        response.call_on_close(self.release)
-        return response
-
-
 def json_nests_deeper_than(body: bytes, limit: int) -> bool:
     """True if arrays and objects in `body` nest more than `limit` deep (the outer one is 1).
 
     Works on the bytes, without parsing and in linear time, with whole-buffer byte
-    operations only, as a batch of long messages passes through here: about 0.09 ms per
-    100 KB, 0.45 ms when the strings hold escapes. What is left of the body outside
-    strings (`structure`) must match a regular expression of `limit` nested possessive
-    groups, which fails at the first bracket too deep. Brackets that do not balance
-    also count as too deep: such a body is not JSON, and the caller answers 400 either way.
+    operations only (loops in C), as a batch of long messages passes through here
+    (figures: bench/README.md). What is left of the body outside strings (`structure`)
+    must match a regular expression of `limit` nested possessive groups, which fails at
+    the first bracket too deep. Brackets that do not balance also count as too deep:
+    such a body is not JSON, and the caller answers 400 either way.
     """
     skeleton = body.translate(None, NOT_STRUCTURE)
     if skeleton.count(b"[") + skeleton.count(b"{") <= limit:

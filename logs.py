@@ -58,8 +58,8 @@ def log_entry(
 def utc_time(created: float) -> str:
     """ISO 8601 in UTC to the millisecond, `2026-12-03T11:35:33.832Z`.
 
-    The second is formatted once: through datetime, every line cost 4 % of a single
-    append's CPU time (py-spy)."""
+    The second is formatted once: through datetime, formatting every line's time showed
+    in a single append's profile (figures: bench/README.md)."""
     second = int(created)
     carry, microsecond = divmod(round((created - second) * 1_000_000), 1_000_000)
     second += carry  # datetime rounds to the microsecond first, and so do we
@@ -154,21 +154,18 @@ class AccessLog:
     """The access log: one line per request, the line PicoMQ writes most often.
 
     Through `logging`, each line costs a LogRecord and a walk through loggers, a lock,
-    a handler and a formatter: 55 µs of the 465 µs a single append costs the server
-    (bench/compare.py's appends-1 load on PicoMQ alone: 2,170 appends/s, 2,450 with
-    the line not written). When logging is set up as PicoMQ sets it up, JSON to one
-    stream and nothing else listening, the line is rendered here and written to that
-    handler's stream under its lock: the same line for about half the cost (2,310
-    appends/s). Any other setup (a handler of another kind, a filter, a test's capture)
-    gets LogRecords.
+    a handler and a formatter: a tenth of what a single append costs the server. When
+    logging is set up as PicoMQ sets it up, JSON to one stream and nothing else
+    listening, the line is rendered here and written to that handler's stream under its
+    lock: the same line for about half the cost. Any other setup (a handler of another
+    kind, a filter, a test's capture) gets LogRecords.
 
     Under the gevent worker, which sets `defer` (gunicorn.conf.py), the lines of one
     turn of the event loop are written together when the turn ends, in as few writes
     as keep each whole (at most PIPE_BUF bytes, which a pipe never splits between
-    workers). Written one by one, each under the handler's lock and flushed, they held
-    one stream's appends to 5,361–5,940 a second against 5,725–6,282 written together
-    (6,188–6,641 with no line at all; 4 alternated rounds of bench/ceiling.py's load
-    on PicoMQ alone, a slow hour).
+    workers). Written one by one, each under the handler's lock and flushed, they cost
+    one stream's appends nearly twice what they cost written together (figures:
+    bench/README.md).
     """
 
     def __init__(self, logger: logging.Logger) -> None:

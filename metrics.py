@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from flask import Response, g, request
+from flask import Response, request
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -36,18 +36,16 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from dirwatch import Cancel, OnCreate
 from objectstore import ObjectStore, run_here
+from protocol import PRODUCER_EPOCH, STREAM_PREFIX, is_reserved
 
 T = TypeVar("T")
 
 MULTIPROCESS_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
-STREAM_PREFIX = "/v1/stream/"
-RESERVED_PREFIX = "/v1/stream/__ds/"
 CONTENT_TYPE_LABELS = ("application/json", "application/octet-stream", "text/plain")
 LIVE_MODES = ("long-poll", "sse")
 STORAGE_OPERATIONS = ("put", "get", "head", "list", "delete")
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
-PRODUCER_EPOCH = "Producer-Epoch"  # a fenced producer's 403 carries it; an auth 403 does not
 
 
 def label_of_content_type(content_type: str | None) -> str:
@@ -62,15 +60,13 @@ class TurnWrites:
     """Metric updates held in memory and written together when the event loop's turn ends.
 
     Each update of a multiprocess metric takes a lock, checks the pid and writes its
-    file: 2.4 µs in the server, where a tight loop makes it 1.0, and a group commit
-    makes five (the storage put's counter and latency, the batch size) besides two per
-    append. A commit's appends, and the commits whose syncs one batch of creates
-    shared, are answered in one turn of the loop, so under the gevent worker, which
-    sets `defer` (gunicorn.conf.py), counters are added up and histograms observed one
-    after the other when the turn ends. Over 1,000 streams, where each append is a
-    commit of its own, that made 3.5 % more appends a second, every pair of reps ahead
-    (`bench/ab.py 4c3fe6e --new 74d6d95 --load appends-1000 --reps 6`: 4,570 against
-    4,416), p99 unchanged. Without `defer` every update is written at once.
+    file, and a group commit makes five (the storage put's counter and latency, the
+    batch size) besides two per append. A commit's appends, and the commits whose syncs
+    one batch of creates shared, are answered in one turn of the loop, so under the
+    gevent worker, which sets `defer` (gunicorn.conf.py), counters are added up and
+    histograms observed one after the other when the turn ends: more appends a second
+    over 1,000 streams, where each append is a commit of its own (figures:
+    bench/README.md). Without `defer` every update is written at once.
     """
 
     def __init__(self) -> None:
@@ -182,10 +178,7 @@ def get_metrics() -> Metrics:
 
 def read_mode() -> str | None:
     """'catch-up', 'long-poll' or 'sse' for a stream read; None for anything else."""
-    path = request.path
-    if request.method != "GET" or not path.startswith(STREAM_PREFIX):
-        return None
-    if path.startswith(RESERVED_PREFIX):
+    if request.method != "GET" or not names_a_stream(request.path):
         return None
     live = request.args.get("live")
     return live if live in LIVE_MODES else "catch-up"
@@ -193,43 +186,30 @@ def read_mode() -> str | None:
 
 def is_auth_failure(response: Response) -> bool:
     status = response.status_code
+    # A fenced producer's 403 carries its epoch; a 403 for a token's grants does not.
     return status == 401 or (status == 403 and PRODUCER_EPOCH not in response.headers)
 
 
 def count_request_start(metrics: Metrics) -> None:
-    """Before the view: count a stream read, and hold a live one until its response closes."""
+    """Before the view: count a stream read (live.LiveConnections counts those open)."""
     mode = read_mode()
-    if mode is None:
-        return
-    metrics.reads.labels(mode).inc()
-    if mode in LIVE_MODES:
-        g.live_mode = mode
-        metrics.live_connections.labels(mode).inc()
+    if mode is not None:
+        metrics.reads.labels(mode).inc()
 
 
 def count_response(metrics: Metrics, response: Response) -> None:
-    """After the view: errors, auth failures, appends; a live read ends when its body does."""
+    """After the view: errors, auth failures, appends."""
     status = response.status_code
     if status >= 400:
         metrics.errors.labels(str(status)).inc()
         if is_auth_failure(response):
             metrics.auth_failures.inc()
-    elif request.method == "POST" and is_append_path(request.path):
+    elif request.method == "POST" and names_a_stream(request.path):
         count_append(metrics, request.headers.get("Content-Type"), request.content_length or 0)
-    live_mode = g.pop("live_mode", None)
-    if live_mode is not None:  # an SSE body is still to come: the connection ends on close
-        response.call_on_close(metrics.live_connections.labels(live_mode).dec)
 
 
-def release_live_connection(metrics: Metrics) -> None:
-    """At teardown: a live read that never got as far as a response still ends."""
-    live_mode = g.pop("live_mode", None)
-    if live_mode is not None:
-        metrics.live_connections.labels(live_mode).dec()
-
-
-def is_append_path(path: str) -> bool:
-    return path.startswith(STREAM_PREFIX) and not path.startswith(RESERVED_PREFIX)
+def names_a_stream(url_path: str) -> bool:
+    return url_path.startswith(STREAM_PREFIX) and not is_reserved(url_path[len(STREAM_PREFIX) :])
 
 
 def count_append(metrics: Metrics, content_type: str | None, size: int) -> None:

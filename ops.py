@@ -17,7 +17,6 @@ import random
 import secrets
 
 import gevent
-import orjson
 from flask import Flask, Response, current_app, request
 
 from auth import allow_anonymous
@@ -27,10 +26,17 @@ from metrics import (
     count_response,
     get_metrics,
     metrics_view,
-    release_live_connection,
 )
 from objectstore import StorageUnavailable
-from picomq import BadRequest, error_response, format_offset, parse_number
+from protocol import (
+    NO_STORE,
+    BadRequest,
+    error_response,
+    format_offset,
+    json_response,
+    parse_number,
+    storage_unavailable_response,
+)
 from settings import Settings
 from storage import StreamStore
 from streams import StoreError, StreamGone, StreamInfo, StreamNotFound
@@ -42,6 +48,7 @@ DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1000
 MAX_PREFIX_BYTES = 1024
 INSPECTOR_PAGE = "inspector.html"
+NOT_CACHED = {"Cache-Control": NO_STORE}  # what ops answers is true only now
 # Scripts and styles by this response's nonce alone: 'self' would trust every URL of
 # this origin, stream reads included, whose bodies anyone who may append writes.
 INSPECTOR_POLICY = (
@@ -98,13 +105,9 @@ def install_request_hooks(app: Flask, store: StreamStore) -> None:
         echo_and_log(response)
         return response
 
-    @app.teardown_request
-    def teardown(error: BaseException | None) -> None:
-        release_live_connection(metrics)
-
 
 def healthz() -> Response:
-    return json_response({"status": "ok"}, 200)
+    return json_response({"status": "ok"}, 200, NOT_CACHED)
 
 
 def readyz() -> Response:
@@ -116,8 +119,10 @@ def readyz() -> Response:
             raise StorageUnavailable(f"{objects.root} is not writable")
     except (StorageUnavailable, OSError) as error:
         log.warning("not ready: %s", error)
-        return json_response({"status": "unavailable", "reason": "storage is unreachable"}, 503)
-    return json_response({"status": "ready"}, 200)
+        return json_response(
+            {"status": "unavailable", "reason": "storage is unreachable"}, 503, NOT_CACHED
+        )
+    return json_response({"status": "ready"}, 200, NOT_CACHED)
 
 
 def list_streams() -> Response:
@@ -137,9 +142,9 @@ def list_streams() -> Response:
         candidates = [path for path in candidates if after is None or path > after]
         streams, more = page_of(store, candidates, limit)
     except StorageUnavailable:
-        return error_response(503, "storage_unavailable", "storage is unavailable; retry")
+        return storage_unavailable_response()
     next_after = streams[-1]["path"] if more else None
-    return json_response({"streams": streams, "next": next_after}, 200)
+    return json_response({"streams": streams, "next": next_after}, 200, NOT_CACHED)
 
 
 def page_of(store: StreamStore, paths: list[str], limit: int) -> tuple[list[dict], bool]:
@@ -186,11 +191,6 @@ def format_stream(info: StreamInfo) -> dict[str, object]:
         "ttl": info.ttl,
         "expiresAt": info.expires_at,
     }
-
-
-def json_response(body: dict[str, object], status: int) -> Response:
-    headers = {"Content-Type": "application/json", "Cache-Control": "no-store"}
-    return Response(orjson.dumps(body), status, headers)
 
 
 def inspector() -> Response:

@@ -101,12 +101,19 @@ def _optional_jwt_secret(text: str) -> str | None:
     return text
 
 
+def read_pem(text: str) -> str:
+    """A key as PEM text: `text` itself, or the file it names (OSError if unreadable).
+
+    Keys are given either way, in settings and to the token command alike."""
+    return text if text.lstrip().startswith("-----BEGIN") else Path(text.strip()).read_text()
+
+
 def _optional_public_key(text: str) -> str | None:
     """PEM text, or the path of a PEM file; an Ed25519 or RSA (2048 bits or more) public key."""
     if not text.strip():
         return None
     try:
-        pem = text if text.lstrip().startswith("-----BEGIN") else Path(text.strip()).read_text()
+        pem = read_pem(text)
         key = load_pem_public_key(pem.encode())
     except (OSError, ValueError, UnsupportedAlgorithm) as error:
         raise ValueError(f"not a readable PEM public key ({type(error).__name__})") from error

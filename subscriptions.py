@@ -15,15 +15,16 @@ consumer, one wake at a time:
 Every wake has a generation number and an id; a callback, ack or release naming any
 other wake than the current one is FENCED (409). When a wake ends (done, release, lease
 expiry) and data is still pending, the next wake starts at once. Glob patterns match
-whole path segments: `*` is one segment, `**` any number (a `*` inside a segment matches
-within it). A subscription never links its own wake stream.
+whole path segments, as a token's grants do (auth.matches): `*` is one segment, `**` any
+number (a `*` inside a segment matches within it). A subscription never links its own
+wake stream.
 
 With access control on (auth.py), a PUT needs besides `admin` on its path `read` on all
 it links (its pattern within one read grant of the token, each explicit stream granted)
 and `append` on its wake stream; POST …/streams needs `read` on the streams it adds;
 GET and claim list only the linked streams the caller may read. Webhooks reach public
 addresses by https, and PICOMQ_WEBHOOK_ALLOWED_NETWORKS by http too; each delivery
-resolves the host, checks every address and connects to a checked one.
+resolves the host, checks every address and connects to a checked one (webhooks.py).
 
 Layout under the stream store's object root (every object is created once, never
 rewritten; the highest-numbered marker wins where there are several):
@@ -63,20 +64,15 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
-import ipaddress
 import logging
-import random
 import re
 import secrets
-import socket
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
-from urllib.parse import SplitResult, urlsplit
 
-import certifi
 import gevent
 import orjson
 import urllib3
@@ -85,10 +81,21 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from flask import Flask, request
 from gevent.lock import RLock
 
-from auth import AuthError, refusal, request_allows, request_covers
+from auth import AuthError, bearer_credentials, matches, refusal, request_allows, request_covers
 from objectstore import ObjectStore, StorageUnavailable
-from picomq import STREAM_PREFIX, BadRequest, Response, format_offset, parse_offset
-from picomq import parse_stream_path as parse_picomq_path
+from protocol import (
+    RESERVED_PREFIX,
+    RETRY_AFTER_SECONDS,
+    STREAM_PREFIX,
+    BadRequest,
+    Response,
+    error_response,
+    format_offset,
+    is_reserved,
+    json_response,
+    parse_offset,
+)
+from protocol import parse_stream_path as parse_picomq_path
 from settings import Network, Settings
 from storage import StreamStore
 from streams import (
@@ -101,11 +108,18 @@ from streams import (
     is_json_type,
     stream_key,
 )
+from webhooks import (
+    MAX_DELIVERY_ATTEMPTS,
+    WebhookTimedOut,
+    WebhookUrlRejected,
+    check_webhook_url,
+    post_webhook,
+    retry_delay,
+)
 
 log = logging.getLogger("picomq.subscriptions")
 
-RESERVED = "__ds"
-ROUTE_ROOT = f"{STREAM_PREFIX}{RESERVED}"
+ROUTE_ROOT = f"{STREAM_PREFIX}{RESERVED_PREFIX}"
 ALL_METHODS = ["GET", "HEAD", "PUT", "POST", "DELETE", "OPTIONS"]
 TYPES = ("webhook", "pull-wake")
 BEFORE_FIRST = "-1"
@@ -122,32 +136,18 @@ MAX_LINKS = 10_000
 MAX_ACKS = 1000
 MAX_DESCRIPTION_CHARS = 1024
 MAX_WORKER_CHARS = 256
-MAX_URL_CHARS = 2048
 MAX_GENERATION_ATTEMPTS = 10
 SUBSCRIPTION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._~-]{0,127}")
 
-DELIVERY_TIMEOUT = urllib3.Timeout(connect=3.05, read=10.0)  # seconds, each
-MAX_ADDRESSES_TRIED = 4  # of a webhook host's addresses, per delivery attempt
-MAX_DELIVERY_ATTEMPTS = 15  # about ten minutes of retries, then the wake is given up
-FIRST_RETRY_SECONDS = 1.0
-MAX_RETRY_SECONDS = 60.0
-RETRY_JITTER = 0.2
-MAX_REPLY_BYTES = 64 * 1024
 
 SIGNING_KEY_OBJECT = "subscriptions/_keys/webhook-signing.json"
 TOKEN_KEY_OBJECT = "subscriptions/_keys/token.key"
 JWK_SET_TYPE = "application/jwk-set+json"
 SIGNATURE_HEADER = "Webhook-Signature"
 
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
-NAT64_PREFIX = ipaddress.IPv6Network("64:ff9b::/96")
-IPV4_COMPATIBLE = ipaddress.IPv6Network("::/96")
-# WHATWG URL: a host whose last label is a number is parsed as an IPv4 address, in
-# decimal, octal or hex, whole or in parts; resolvers differ on the rarer spellings.
-ENDS_IN_A_NUMBER = re.compile(r"(?:^|\.)(?:[0-9]+|0x[0-9a-f]*)\.?$", re.IGNORECASE)
-
 
 # -- outcomes: each maps to one status and error code -------------------------------
+# (and webhooks.WebhookUrlRejected, raised by the URL check: 400 WEBHOOK_URL_REJECTED)
 
 
 class SubscriptionError(Exception):
@@ -159,16 +159,9 @@ class SubscriptionError(Exception):
         self.details = details
 
 
-class InvalidRequest(SubscriptionError):
-    pass
-
-
-class WebhookUrlRejected(SubscriptionError):
-    code = "WEBHOOK_URL_REJECTED"
-
-
-class WebhookTimedOut(Exception):
-    """A delivery attempt outlived the `webhook_timeout` setting."""
+class BadSubscriptionRequest(SubscriptionError):
+    """A subscription request the API refuses (400 INVALID_REQUEST); a stream request's
+    400s are protocol.BadRequest and storage's InvalidRequest."""
 
 
 class SubscriptionNotFound(SubscriptionError):
@@ -236,35 +229,37 @@ class AckRequest:
 
 def parse_json_object(data: bytes) -> dict:
     if len(data) > MAX_BODY_BYTES:
-        raise InvalidRequest(f"body is larger than {MAX_BODY_BYTES} bytes")
+        raise BadSubscriptionRequest(f"body is larger than {MAX_BODY_BYTES} bytes")
     if not data.strip():
         return {}
     try:
         value = orjson.loads(data)
     except orjson.JSONDecodeError as error:
-        raise InvalidRequest("body is not valid JSON") from error
+        raise BadSubscriptionRequest("body is not valid JSON") from error
     if not isinstance(value, dict):
-        raise InvalidRequest("body must be a JSON object")
+        raise BadSubscriptionRequest("body must be a JSON object")
     return value
 
 
 def parse_subscription_id(text: str) -> str:
     if SUBSCRIPTION_ID.fullmatch(text) is None:
-        raise InvalidRequest("subscription id: 1-128 of A-Z a-z 0-9 . _ ~ -, not starting . _ ~ -")
+        raise BadSubscriptionRequest(
+            "subscription id: 1-128 of A-Z a-z 0-9 . _ ~ -, not starting . _ ~ -"
+        )
     return text
 
 
 def parse_path(value: object, name: str) -> str:
     """A stream path (or pattern) relative to the root; slashes at either end are dropped."""
     if not isinstance(value, str) or not value.strip("/"):
-        raise InvalidRequest(f"{name} must be a non-empty path")
+        raise BadSubscriptionRequest(f"{name} must be a non-empty path")
     path = value.strip("/")
     try:
         parse_picomq_path(path)
     except BadRequest as error:
-        raise InvalidRequest(f"{name}: {error}") from error
-    if path.split("/", 1)[0] == RESERVED:
-        raise InvalidRequest(f"{name}: paths under {RESERVED}/ are reserved")
+        raise BadSubscriptionRequest(f"{name}: {error}") from error
+    if is_reserved(path):
+        raise BadSubscriptionRequest(f"{name}: paths under {RESERVED_PREFIX}/ are reserved")
     return path
 
 
@@ -272,7 +267,9 @@ def parse_paths(value: object, name: str) -> tuple[str, ...]:
     if value is None:
         return ()
     if not isinstance(value, list) or len(value) > MAX_STREAMS_PER_REQUEST:
-        raise InvalidRequest(f"{name} must be a list of at most {MAX_STREAMS_PER_REQUEST} paths")
+        raise BadSubscriptionRequest(
+            f"{name} must be a list of at most {MAX_STREAMS_PER_REQUEST} paths"
+        )
     return tuple(sorted({parse_path(item, name) for item in value}))
 
 
@@ -282,7 +279,7 @@ def parse_lease_ttl(value: object) -> int:
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if type(value) is not int or not MIN_LEASE_TTL_MS <= value <= MAX_LEASE_TTL_MS:
-        raise InvalidRequest(
+        raise BadSubscriptionRequest(
             f"lease_ttl_ms must be an integer from {MIN_LEASE_TTL_MS} to {MAX_LEASE_TTL_MS}"
         )
     return value
@@ -292,26 +289,28 @@ def parse_spec(body: dict) -> Spec:
     """Validate a PUT body; fields that do not apply to the type are ignored."""
     kind = body.get("type")
     if kind not in TYPES:
-        raise InvalidRequest('type must be "webhook" or "pull-wake"')
+        raise BadSubscriptionRequest('type must be "webhook" or "pull-wake"')
     pattern = None if body.get("pattern") in (None, "") else parse_path(body["pattern"], "pattern")
     streams = parse_paths(body.get("streams"), "streams")
     if pattern is None and not streams:
-        raise InvalidRequest("give a pattern, streams, or both")
+        raise BadSubscriptionRequest("give a pattern, streams, or both")
     webhook_url = wake_stream = None
     if kind == "webhook":
         webhook = body.get("webhook")
         webhook_url = webhook.get("url") if isinstance(webhook, dict) else None
         if not isinstance(webhook_url, str) or not webhook_url:
-            raise InvalidRequest("webhook subscriptions need webhook.url")
+            raise BadSubscriptionRequest("webhook subscriptions need webhook.url")
     else:
         wake_stream = parse_path(body.get("wake_stream"), "wake_stream")
         if wake_stream in streams:
-            raise InvalidRequest("a subscription cannot link its own wake stream")
+            raise BadSubscriptionRequest("a subscription cannot link its own wake stream")
     description = body.get("description")
     if description is not None and (
         not isinstance(description, str) or len(description) > MAX_DESCRIPTION_CHARS
     ):
-        raise InvalidRequest(f"description must be a string of at most {MAX_DESCRIPTION_CHARS}")
+        raise BadSubscriptionRequest(
+            f"description must be a string of at most {MAX_DESCRIPTION_CHARS}"
+        )
     lease_ttl_ms = parse_lease_ttl(body.get("lease_ttl_ms"))
     return Spec(kind, pattern, streams, webhook_url, wake_stream, lease_ttl_ms, description)
 
@@ -319,223 +318,37 @@ def parse_spec(body: dict) -> Spec:
 def parse_worker(body: dict) -> str:
     worker = body.get("worker")
     if not isinstance(worker, str) or not worker or len(worker) > MAX_WORKER_CHARS:
-        raise InvalidRequest(f"worker must be a non-empty string of at most {MAX_WORKER_CHARS}")
+        raise BadSubscriptionRequest(
+            f"worker must be a non-empty string of at most {MAX_WORKER_CHARS}"
+        )
     return worker
 
 
 def parse_ack_request(body: dict) -> AckRequest:
     wake_id, generation = body.get("wake_id"), body.get("generation")
     if not isinstance(wake_id, str) or type(generation) is not int:
-        raise InvalidRequest("give the wake_id (string) and generation (integer) of the wake")
+        raise BadSubscriptionRequest(
+            "give the wake_id (string) and generation (integer) of the wake"
+        )
     raw_acks, done = body.get("acks", []), body.get("done", False)
     if not isinstance(raw_acks, list) or len(raw_acks) > MAX_ACKS:
-        raise InvalidRequest(f"acks must be a list of at most {MAX_ACKS}")
+        raise BadSubscriptionRequest(f"acks must be a list of at most {MAX_ACKS}")
     if not isinstance(done, bool):
-        raise InvalidRequest("done must be true or false")
+        raise BadSubscriptionRequest("done must be true or false")
     acks = []
     for ack in raw_acks:
         if not isinstance(ack, dict) or not isinstance(ack.get("offset"), str):
-            raise InvalidRequest('each ack is {"stream": path, "offset": offset}')
+            raise BadSubscriptionRequest('each ack is {"stream": path, "offset": offset}')
         acks.append((parse_path(ack.get("stream", ack.get("path")), "ack stream"), ack["offset"]))
     return AckRequest(wake_id, generation, tuple(acks), done)
 
 
-def parse_bearer_token() -> str:
-    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
+def wake_token() -> str:
+    """The wake's token, which a callback, ack or release carries as a bearer token."""
+    token = bearer_credentials(request.headers.get("Authorization", ""))
+    if not token:
         raise TokenInvalid("send the wake's token as Authorization: Bearer <token>")
-    return token.strip()
-
-
-# -- glob patterns and webhook URLs ----------------------------------------------------
-
-
-def compile_pattern(pattern: str) -> re.Pattern[str]:
-    """`*` is one segment, `**` any number (zero included); a `*` inside a segment stays in it."""
-    parts = []
-    for segment in pattern.split("/"):
-        if segment == "**":
-            parts.append("(?:/[^/]+)*")
-        else:
-            parts.append("/" + "[^/]*".join(re.escape(piece) for piece in segment.split("*")))
-    return re.compile("".join(parts))
-
-
-def matches(pattern: str, path: str) -> bool:
-    return compile_pattern(pattern).fullmatch("/" + path) is not None
-
-
-@dataclass(frozen=True)
-class WebhookTarget:
-    """A webhook URL that passed `check_webhook_url`, with the addresses it was checked at.
-
-    Deliveries connect to these addresses and no others, so a DNS answer that changes
-    after the check (DNS rebinding) cannot move them; the URL's host still goes in the
-    Host header, in TLS SNI and in the certificate check.
-    """
-
-    scheme: str
-    host: str  # as the URL spells it, IPv6 without brackets
-    port: int | None
-    target: str  # the path and query sent in the request line
-    addresses: tuple[IPAddress, ...]
-
-    @property
-    def host_header(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return host if self.port is None else f"{host}:{self.port}"
-
-    def pool(self, address: IPAddress) -> urllib3.HTTPConnectionPool:
-        """A connection pool to `address` alone; proxies from the environment are not used."""
-        port = self.port if self.port is not None else 443 if self.scheme == "https" else 80
-        if self.scheme == "http":
-            return urllib3.HTTPConnectionPool(str(address), port)
-        return urllib3.HTTPSConnectionPool(
-            str(address), port, cert_reqs="CERT_REQUIRED", ca_certs=certifi.where(),
-            server_hostname=self.host,
-        )  # fmt: skip
-
-
-def check_webhook_url(url: str, allowed: tuple[Network, ...]) -> WebhookTarget:
-    """Resolve a webhook URL's host once and check every address it names.
-
-    Public addresses may be reached by https; addresses in `allowed` (the setting
-    PICOMQ_WEBHOOK_ALLOWED_NETWORKS) by http too. Everything else is refused with
-    WebhookUrlRejected: loopback, private, link-local (cloud metadata included), shared,
-    reserved and multicast addresses, and IPv6 addresses that embed such an IPv4 one
-    (`embedded_ipv4`). A host ending in a number must be four decimal numbers:
-    `2130706433`, `0x7f.1` or `0177.0.0.1` are refused, as parsers read them apart.
-    """
-    parts = parse_webhook_url(url)
-    host = parts.hostname or ""
-    literal = parse_ip(host)
-    if literal is None and ENDS_IN_A_NUMBER.search(host):
-        raise WebhookUrlRejected("webhook.url: write an IPv4 host as four decimal numbers")
-    addresses = (literal,) if literal is not None else resolve_host(host)
-    for address in addresses:
-        if any(address in network for network in allowed):
-            continue
-        if not is_public(address):
-            raise WebhookUrlRejected(
-                f"webhook.url must not target {host}: a loopback, private or reserved address"
-                " needs PICOMQ_WEBHOOK_ALLOWED_NETWORKS"
-            )
-        if parts.scheme != "https":
-            raise WebhookUrlRejected(
-                "webhook.url must use https (http only to PICOMQ_WEBHOOK_ALLOWED_NETWORKS)"
-            )
-    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    return WebhookTarget(parts.scheme, host, parts.port, target, addresses)
-
-
-def parse_webhook_url(url: str) -> SplitResult:
-    """The parts of an http(s) URL with a host, no credentials and a valid port."""
-    if len(url) > MAX_URL_CHARS or not url.isascii() or re.search(r"[\s\\\x00-\x1f\x7f]", url):
-        raise WebhookUrlRejected(
-            "webhook.url is too long, or holds spaces, control or non-ASCII characters"
-        )
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise WebhookUrlRejected("webhook.url must be an http(s) URL with a host")
-    if parts.username is not None or parts.password is not None:
-        raise WebhookUrlRejected("webhook.url must not carry credentials")
-    try:
-        port = parts.port
-    except ValueError as error:
-        raise WebhookUrlRejected("webhook.url has an invalid port") from error
-    if port == 0:
-        raise WebhookUrlRejected("webhook.url has an invalid port")
-    return parts
-
-
-def parse_ip(text: str) -> IPAddress | None:
-    """An IP address literal; an IPv4-mapped IPv6 one (`::ffff:a.b.c.d`) as its IPv4."""
-    try:
-        address = ipaddress.ip_address(text)
-    except ValueError:
-        return None
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        return address.ipv4_mapped
-    return address
-
-
-def resolve_host(host: str) -> tuple[IPAddress, ...]:
-    """Every address the resolver gives for `host`, in its order, without repeats."""
-    try:
-        answers = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except (OSError, UnicodeError) as error:
-        raise WebhookUrlRejected(f"webhook.url host {host} does not resolve") from error
-    parsed = (parse_ip(str(answer[4][0]).split("%", 1)[0]) for answer in answers)
-    addresses = tuple(dict.fromkeys(address for address in parsed if address is not None))
-    if not addresses:
-        raise WebhookUrlRejected(f"webhook.url host {host} does not resolve")
-    return addresses
-
-
-def is_public(address: IPAddress) -> bool:
-    """Globally routed unicast by IANA's registries, and so is every IPv4 it embeds."""
-    embedded = embedded_ipv4(address)
-    if address in NAT64_PREFIX or address in IPV4_COMPATIBLE:
-        return all(is_public(inner) for inner in embedded)  # reserved: only a way to these
-    site_local = isinstance(address, ipaddress.IPv6Address) and address.is_site_local
-    if not address.is_global or address.is_multicast or address.is_reserved or site_local:
-        return False
-    return all(is_public(inner) for inner in embedded)
-
-
-def embedded_ipv4(address: IPAddress) -> tuple[ipaddress.IPv4Address, ...]:
-    """The IPv4 addresses an IPv6 one carries, where its packets may end up.
-
-    NAT64 (64:ff9b::/96) and IPv4-compatible (::/96) addresses hold one in their last
-    32 bits, 6to4 (2002::/16) in bits 16-48, Teredo (2001::/32) a server and a client.
-    IPv4-mapped ones (::ffff:0:0/96) are read as IPv4 by `parse_ip` before this.
-    """
-    if isinstance(address, ipaddress.IPv4Address):
-        return ()
-    if address in NAT64_PREFIX or address in IPV4_COMPATIBLE:
-        return (ipaddress.IPv4Address(int(address) & 0xFFFF_FFFF),)
-    if address.sixtofour is not None:
-        return (address.sixtofour,)
-    return address.teredo or ()
-
-
-def post_webhook(target: WebhookTarget, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
-    """POST to the first checked address that takes a connection: its status and reply.
-
-    Up to MAX_ADDRESSES_TRIED addresses are tried, in the resolver's order; only a
-    failed connection moves on to the next, so a receiver gets the body at most once.
-    The reply is read only when 2xx, and at most MAX_REPLY_BYTES of it. Redirects are
-    not followed (a 3xx is a failed delivery). Raises urllib3's HTTPError or OSError.
-    """
-    addresses = target.addresses[:MAX_ADDRESSES_TRIED]
-    for address in addresses[:-1]:
-        try:
-            return post_to_address(target, address, body, headers)
-        except urllib3.exceptions.ConnectTimeoutError:  # NewConnectionError included
-            continue
-    return post_to_address(target, addresses[-1], body, headers)
-
-
-def post_to_address(
-    target: WebhookTarget, address: IPAddress, body: bytes, headers: dict[str, str]
-) -> tuple[int, bytes]:
-    with target.pool(address) as pool:
-        response = pool.urlopen(
-            "POST", target.target, body=body, headers={**headers, "Host": target.host_header},
-            redirect=False, retries=False, timeout=DELIVERY_TIMEOUT, preload_content=False,
-        )  # fmt: skip
-        try:
-            if not 200 <= response.status < 300:
-                return response.status, b""
-            return response.status, response.read(MAX_REPLY_BYTES, decode_content=True)
-        finally:
-            response.release_conn()
-
-
-def retry_delay(attempt: int) -> float:
-    """Seconds before retry `attempt` (0-based): 1, 2, 4 … capped at 60, each ±20 %."""
-    base = min(FIRST_RETRY_SECONDS * 2**attempt, MAX_RETRY_SECONDS)
-    return base * random.uniform(1 - RETRY_JITTER, 1 + RETRY_JITTER)
+    return token
 
 
 # -- keys: webhook signatures and wake tokens -------------------------------------------
@@ -713,11 +526,11 @@ class Subscription:
     status: str = "active"
     deleted: bool = False
     lock: RLock = field(default_factory=RLock)
-    pattern: re.Pattern[str] | None = None
+    pattern: tuple[str, ...] | None = None  # the glob's segments, as auth.matches takes them
 
     def __post_init__(self) -> None:
         if self.spec.pattern is not None:
-            self.pattern = compile_pattern(self.spec.pattern)
+            self.pattern = tuple(self.spec.pattern.split("/"))
 
     @property
     def id(self) -> str:
@@ -730,7 +543,7 @@ class Subscription:
     def matches(self, path: str) -> bool:
         if path == self.spec.wake_stream or self.pattern is None:
             return False
-        return self.pattern.fullmatch("/" + path) is not None
+        return matches(self.pattern, tuple(path.split("/")))
 
 
 # -- storage of subscriptions ----------------------------------------------------------
@@ -1011,12 +824,12 @@ class Subscriptions:
         """Explicit streams and existing pattern matches, acknowledged up to their tails now."""
         links = {path: Link(path, explicit=True) for path in spec.streams}
         if spec.pattern is not None:
-            pattern = compile_pattern(spec.pattern)
+            pattern = tuple(spec.pattern.split("/"))
             for path in self.store.paths():
-                if path != spec.wake_stream and pattern.fullmatch("/" + path):
+                if path != spec.wake_stream and matches(pattern, tuple(path.split("/"))):
                     links.setdefault(path, Link(path)).glob = True
         if len(links) > MAX_LINKS:
-            raise InvalidRequest(f"a subscription links at most {MAX_LINKS} streams")
+            raise BadSubscriptionRequest(f"a subscription links at most {MAX_LINKS} streams")
         for link in links.values():
             info = self._head(link.path)
             link.acked = Ack(info.incarnation, info.tail) if info else None
@@ -1039,7 +852,7 @@ class Subscriptions:
         links = sorted(subscription.links.values(), key=lambda link: link.path)
         body["streams"] = [link.describe() for link in links]
         if spec.webhook_url is not None:
-            jwks_url = f"{subscription.record.root_url}/{RESERVED}/jwks.json"
+            jwks_url = f"{subscription.record.root_url}/{RESERVED_PREFIX}/jwks.json"
             signing = {"alg": "ed25519", "kid": self.signer.kid, "jwks_url": jwks_url}
             body["webhook"] = {"url": spec.webhook_url, "signing": signing}
         if spec.wake_stream is not None:
@@ -1061,9 +874,9 @@ class Subscriptions:
         with subscription.lock:
             new = [path for path in paths if path not in subscription.links]
             if len(subscription.links) + len(new) > MAX_LINKS:
-                raise InvalidRequest(f"a subscription links at most {MAX_LINKS} streams")
+                raise BadSubscriptionRequest(f"a subscription links at most {MAX_LINKS} streams")
             if subscription.spec.wake_stream in paths:
-                raise InvalidRequest("a subscription cannot link its own wake stream")
+                raise BadSubscriptionRequest("a subscription cannot link its own wake stream")
             for path in paths:
                 link = subscription.links.get(path)
                 if link is None:
@@ -1094,7 +907,7 @@ class Subscriptions:
         """Store listener: runs in the writer's greenlet, so hand the work to another.
 
         Every commit calls it. With no subscription known and no refresh due there is
-        nothing to hand over, and a greenlet (9 µs here) would be spent per commit.
+        nothing to hand over, and a greenlet would be spent on every commit for nothing.
         """
         if self._subscriptions or self._refresh_due():
             gevent.spawn(self._handle_change, info)
@@ -1280,7 +1093,7 @@ class Subscriptions:
 
     def _action_url(self, subscription: Subscription, action: str) -> str:
         root = subscription.record.root_url
-        return f"{root}/{RESERVED}/subscriptions/{subscription.id}/{action}"
+        return f"{root}/{RESERVED_PREFIX}/subscriptions/{subscription.id}/{action}"
 
     # -- callback, claim, ack, release --
 
@@ -1337,7 +1150,9 @@ class Subscriptions:
     @staticmethod
     def _require_type(subscription: Subscription, kind: str) -> None:
         if subscription.spec.type != kind:
-            raise InvalidRequest(f"subscription {subscription.id} is not a {kind} subscription")
+            raise BadSubscriptionRequest(
+                f"subscription {subscription.id} is not a {kind} subscription"
+            )
 
     def _check_wake(self, subscription: Subscription, token: str, ack: AckRequest) -> Wake:
         """The current wake, if the token and the request both name it; else FENCED."""
@@ -1364,7 +1179,7 @@ class Subscriptions:
         try:
             position = parse_offset(offset)
         except BadRequest as error:
-            raise InvalidRequest(str(error)) from error
+            raise BadSubscriptionRequest(str(error)) from error
         info = self._head(path)
         if info is None or position > info.tail:
             raise InvalidOffset(f"offset {offset} is beyond the tail of {path}")
@@ -1394,17 +1209,6 @@ def _new_signing_key() -> bytes:
 
 
 # -- HTTP ------------------------------------------------------------------------------
-
-
-def json_response(
-    body: object, status: int = 200, content_type: str = "application/json"
-) -> Response:
-    return Response(orjson.dumps(body), status, content_type=content_type)
-
-
-def error_body(error: SubscriptionError) -> Response:
-    return json_response({"error": {"code": error.code, "message": str(error), **error.details}},
-                         error.status)  # fmt: skip
 
 
 def stream_root() -> str:
@@ -1457,22 +1261,22 @@ class SubscriptionViews:
                     raise MethodNotAllowed(f"use {', '.join(methods)}")
                 return view(**arguments)
             except SubscriptionError as error:
-                return error_body(error)
+                return error_response(error.status, error.code, str(error), details=error.details)
+            except WebhookUrlRejected as error:  # from webhooks.py, at PUT
+                return error_response(400, "WEBHOOK_URL_REJECTED", str(error))
             except AuthError as error:
                 log.info("refused %s %s: %s", request.method, request.path, error)
                 return refusal(error)
             except StorageUnavailable as error:
                 log.warning("storage unavailable: %s", error)
-                body = {"error": {"code": "STORAGE_UNAVAILABLE", "message": "retry"}}
-                response = json_response(body, 503)
-                response.headers["Retry-After"] = "1"
-                return response
+                retry = {"Retry-After": RETRY_AFTER_SECONDS}
+                return error_response(503, "STORAGE_UNAVAILABLE", "retry", retry)
 
         handle.__name__ = view.__name__
         return handle
 
     def jwks(self) -> Response:
-        response = json_response(self.subscriptions.jwks(), content_type=JWK_SET_TYPE)
+        response = json_response(self.subscriptions.jwks(), headers={"Content-Type": JWK_SET_TYPE})
         response.headers["Cache-Control"] = "public, max-age=300"
         return response
 
@@ -1495,7 +1299,7 @@ class SubscriptionViews:
         body = parse_json_object(request.get_data())
         paths = parse_paths(body.get("streams"), "streams")
         if not paths:
-            raise InvalidRequest("streams must be a non-empty list of paths")
+            raise BadSubscriptionRequest("streams must be a non-empty list of paths")
         require_read(paths)
         self.subscriptions.add_streams(sub_id, paths)
         return Response(status=204)
@@ -1511,7 +1315,7 @@ class SubscriptionViews:
                 readable_only(self.subscriptions.claim(sub_id, parse_worker(body)))
             )
         self.subscriptions.require(sub_id)  # 404 before 401
-        token = parse_bearer_token()
+        token = wake_token()
         if action == "release":
             self.subscriptions.release(sub_id, token, parse_ack_request(body))
             return Response(status=204)

@@ -6,7 +6,7 @@ with 10,000 subscribers on one stream those timeouts were a large part of the ti
 the worker spent delivering an event. Here readers whose deadlines fall in the same short
 slot share one event and one timer: a wait costs a dict lookup, and a reader wakes at
 most one slot after its deadline, which no long-poll or SSE client can tell apart.
-`Alarms` does the same for callbacks: the SSE fan-out (fanout.py) hands its parked
+`Alarms` does the same for callbacks: the SSE fan-out (live.py) hands its parked
 subscribers back at their deadlines without a Timeout each.
 
 When the worker stops, `end_waits` wakes every waiter for good: each wait, and every

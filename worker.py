@@ -1,13 +1,20 @@
 """The gunicorn worker PicoMQ runs: gevent's pywsgi worker, with a one-call send for small
 writes, a small read buffer, gunicorn's limits on the request head and JSON refusals.
 
+An accelerator, not the reference: PicoMQ's answers are its Flask app's (picomq.py),
+which serves them complete on any WSGI server; this worker serves them faster, and
+holds clients to deadlines, and must change no answer. What holds it to that:
+tests/test_worker.py (the heads gunicorn's parser refused are still refused, in JSON;
+a fast append's answer has the bytes of Flask's), tests/test_fanout.py (subscribers
+whose events the fan-out writes through this worker get every event once, framed as
+their own response frames them), and every test that starts a server, as all run it.
+
 Why pywsgi rather than gunicorn's own gevent worker: gunicorn's worker parses each
 request head in Python through its own buffer class; pywsgi reads its lines from a C
 buffered file, and RequestHeaders below splits each header line with one regular
-expression (pywsgi's own header parse, through the email package, took 18 % of a single
-append's CPU time). With one worker on one core (bench/compare.py's appends-1 load,
-alternated in one run) PicoMQ answered about 4,000 single appends/s on gunicorn's worker
-and 5,400/s on this one; a bare WSGI app, 6,300 and 7,900/s on the two plain workers.
+expression (pywsgi's own header parse, through the email package, was the largest
+cost left in a single append). On one core it serves markedly more single appends
+than gunicorn's worker (figures: bench/README.md, "Figures behind the code").
 
 What gunicorn's parser did that pywsgi does not, this module does: the request line,
 header count and header line limits of gunicorn.conf.py (414, 431), a time limit on
@@ -41,21 +48,19 @@ size (to size its chunks) and reads the clock (for its timeout), then sends. An 
 fan-out writes one small event to each of thousands of sockets per message, so that
 preamble sat on the hottest path PicoMQ has. Here a write is first offered to the
 kernel once, without blocking; only what the kernel does not take at once goes through
-gevent's `sendall`, which waits for the socket to drain. Measured with bench/compare.py
-(`--only fanout-10000`): p99 delivery latency to 10,000 subscribers 1.0 s → 0.7 s.
-The handler also offers its connection to the app, in the environ, as fanout.py's
-DirectWriter: the SSE fan-out writes events to parked subscribers through it, between
-the app's own writes, framed as pywsgi frames what the app yields. And as fastpath.py's
-AnswerWriter: a plain append's answer goes out as one piece, made by the fast path.
+gevent's `sendall`, which waits for the socket to drain. The handler also offers its
+connection to the app, in the environ (protocol.DIRECT_WRITER_ENVIRON_KEY): as live.py's
+DirectWriter, through which the SSE fan-out writes events to parked subscribers between
+the app's own writes, framed as pywsgi frames what the app yields; and as fastpath.py's
+AnswerWriter, through which a plain append's answer goes out as one piece.
 
 pywsgi reads each connection through a buffered file of 8 KiB, allocated when the
-connection opens: 80 MiB for 10,000 SSE subscribers, which read nothing after their
-request. READ_BUFFER_BYTES holds a typical request head; a larger body is read
-straight from the socket. For the same subscribers' sake, the handler lets go of what
-pywsgi would keep until the next request: the parsed request head once the environ
-holds it, and the encoded answer head once it is sent (unless gunicorn's own access
-line, which reads both, is on). A parked subscriber held 19.9 KiB of the worker's
-memory with them, 16.9 without (4,000 subscribers, scratch).
+connection opens, though an SSE subscriber reads nothing after its request:
+READ_BUFFER_BYTES holds a typical request head; a larger body is read straight from
+the socket. For the same subscribers' sake, the handler lets go of what pywsgi would
+keep until the next request: the parsed request head once the environ holds it, and
+the encoded answer head once it is sent (unless gunicorn's own access line, which reads
+both, is on).
 """
 
 from __future__ import annotations
@@ -72,13 +77,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import gevent
-import orjson
 from gevent import socket as gevent_socket
 from gevent.pywsgi import Input, format_date_time
 from gunicorn.workers.ggevent import GeventPyWSGIWorker, PyWSGIHandler, PyWSGIServer
 
 from decimals import DECIMAL_PATTERN
-from fanout import DIRECT_WRITER_ENVIRON_KEY
+from protocol import DIRECT_WRITER_ENVIRON_KEY, code_of_reason, error_body
 from settings import Settings
 from wakeups import end_waits
 
@@ -132,8 +136,8 @@ class EagerSendSocket(gevent_socket.socket):
         connection and greenlet for good. Past the deadline the connection is shut both
         ways, so that the response's next write fails at once too (EPIPE).
 
-        A Timeout only for a write that waits: one for every request cost a plain append
-        3 % (see PicoMQHandler's head deadline)."""
+        A Timeout only for a write that waits: one for every request showed in a plain
+        append's profile (see PicoMQHandler's head deadline)."""
         try:
             with gevent.Timeout(self.write_seconds, WriteTimedOut):
                 super().sendall(data, flags)
@@ -210,9 +214,8 @@ class HeadTimedOut(ValueError):
 
 
 def refusal(status: int, reason: str, message: str) -> bytes:
-    """A whole HTTP response refusing a request, with a JSON error body."""
-    code = reason.lower().replace(" ", "_")
-    body = orjson.dumps({"error": {"code": code, "message": message}})
+    """A whole HTTP response refusing a request, with the app's JSON error body."""
+    body = error_body(code_of_reason(reason), message)
     head = (
         f"HTTP/1.1 {status} {reason}\r\nConnection: close\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
@@ -223,8 +226,8 @@ def refusal(status: int, reason: str, message: str) -> bytes:
 class RequestHeaders:
     """A request's header fields, with the part of http.client's message pywsgi uses.
 
-    pywsgi parses heads with http.client's parser, built on the email package: 18 % of a
-    single append's CPU time (py-spy). These fields take one regular expression a line.
+    pywsgi parses heads with http.client's parser, built on the email package: the
+    largest cost left in a single append. These fields take one regular expression a line.
     """
 
     status = ""  # pywsgi's parser puts a parse error here; ours raises RefusedHead
@@ -321,7 +324,7 @@ class ShortReadInput(Input):
 @functools.lru_cache(maxsize=1)
 def http_date(second: int) -> bytes:
     """The Date header of answers in that second. pywsgi formats it for every answer
-    (3.4 % of a single append's CPU time in py-spy); this once a second."""
+    (it showed in a single append's profile); this once a second."""
     return format_date_time(second)
 
 
@@ -347,7 +350,7 @@ class PicoMQHandler(PyWSGIHandler):
         sock.__class__ = EagerSendSocket
         super().__init__(sock, address, server, sock.makefile("rb", READ_BUFFER_BYTES))
         # One timer a connection, rearmed for each head: a new gevent.Timeout per request
-        # cost 3 % (py-spy), and a restarted Timeout keeps its first deadline (libev), so
+        # showed in the profile, and a restarted Timeout keeps its first deadline (libev), so
         # it would cut a busy kept-alive connection `read_seconds` after it opened.
         seconds = self.limits.read_seconds
         self.head_deadline = server.loop.timer(seconds, seconds)
@@ -387,7 +390,7 @@ class PicoMQHandler(PyWSGIHandler):
         the request asked for it (RFC 9112 9.6: the answer should say so; pywsgi says it
         only to HTTP/1.0) and once the worker is stopping. A client that pools its
         connections would otherwise send its next request on one the server closed, and
-        get no answer (requests.Session: 12 % of requests in a test)."""
+        get no answer."""
         if self.ends_after_answer:
             headers = [*headers, ("Connection", "close")]
         return super().start_response(status, headers, exc_info)
@@ -400,7 +403,7 @@ class PicoMQHandler(PyWSGIHandler):
 
     def log_request(self) -> None:
         """gunicorn's access line, only when its access log is on (PicoMQ writes its own):
-        it builds two datetimes and a response record before asking (3.8 % in py-spy)."""
+        it builds two datetimes and a response record before asking."""
         if self.gunicorn_access_log:
             super().log_request()
 
@@ -427,7 +430,7 @@ class PicoMQHandler(PyWSGIHandler):
             environ["wsgi.url_scheme"] = self.url_scheme
         return environ
 
-    # -- the connection as a DirectWriter (fanout.py): the SSE fan-out writes through it
+    # -- the connection as a DirectWriter (live.py): the SSE fan-out writes through it
 
     @property
     def chunked(self) -> bool:
@@ -449,10 +452,8 @@ class PicoMQHandler(PyWSGIHandler):
         fastpath.header_lines), Connection when due, Date.
 
         pywsgi's start_response checks and encodes the headers one by one, and its first
-        write joins them again: 5.7 µs of the 150 a plain append costs (scratch timing),
-        spent on offsets, ids matched by a pattern and fixed text. Sent whole, one
-        stream's appends went 9 % faster and appends over 1,000 streams 5 % (medians of
-        4 alternated reps).
+        write joins them again, for offsets, ids matched by a pattern and fixed text.
+        Sent whole, plain appends go faster (figures: bench/README.md).
         """
         if self.ends_after_answer:
             connection = b"Connection: close\r\n"

@@ -18,5 +18,5 @@ except SettingsError as error:
 app = create_app(settings)
 # The app's own objects (modules, routes, settings) live as long as the worker: moved out
 # of the collector's reach, they are not traversed again by every full collection, which
-# batched JSON appends trigger often (GC time under that load: 0.27 s -> 0.12 s per 6 s).
+# batched JSON appends trigger often (figures: bench/README.md).
 gc.freeze()

@@ -8,7 +8,7 @@ error handling. Every other request (the load's PUTs) goes to PicoMQ's own app.
 A measuring instrument, not a server: a bad request gets a stack trace.
 """
 
-from picomq import NEXT_OFFSET, STREAM_PREFIX, format_offset
+from protocol import NEXT_OFFSET, STREAM_PREFIX, format_offset
 from streams import AppendRequest
 from wsgi import app as picomq_app
 

@@ -80,7 +80,7 @@ from localdisk import (  # noqa: E402
     publish_then_sync,
 )
 from objectstore import run_in_threadpool  # noqa: E402
-from picomq import parse_json_payload  # noqa: E402
+from protocol import parse_json_payload  # noqa: E402
 
 OBJECT = b"x" * 200
 OCTETS = "application/octet-stream"

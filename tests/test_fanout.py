@@ -1,4 +1,4 @@
-"""SSE fan-out (fanout.py) against a real server: what every subscriber at the tail gets
+"""SSE fan-out (live.py) against a real server: what every subscriber at the tail gets
 when the stream's broadcaster writes to its connection instead of its own greenlet.
 
 Subscribers read with http.client, which checks the chunked framing the broadcaster
@@ -19,8 +19,14 @@ from urllib.parse import urlsplit
 import pytest
 import requests
 from test_http import TEXT, append, close, create, parse_sse
+from werkzeug.test import Client
+
+from picomq import create_app
+from settings import Settings
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from conftest import Server
 
 READ_SECONDS = 30.0
@@ -204,3 +210,29 @@ def test_deleting_the_stream_ends_every_parked_subscriber(
         assert {control["streamNextOffset"] for control in controls} == {
             controls[0]["streamNextOffset"]
         }
+
+
+def test_an_sse_response_starts_with_the_read_that_checked_its_offset(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The view reads from the offset to refuse a bad one before the 200; that read is
+    the first event, not read again (in process: Flask's views, no fan-out)."""
+    environment = {"PICOMQ_STORAGE_URL": str(tmp_path / "data"), "PICOMQ_LOG_FORMAT": "text"}
+    app = create_app(Settings.from_environment(environment))
+    client = Client(app)
+    headers = TEXT | {"Stream-Closed": "true"}
+    assert client.put("/v1/stream/s", data=b"hello\n", headers=headers).status_code == 201
+    store = app.extensions["picomq.store"]
+    reads = []
+    read = store.read
+
+    def counted_read(*args: object, **kwargs: object) -> object:
+        reads.append(args)
+        return read(*args, **kwargs)
+
+    monkeypatch.setattr(store, "read", counted_read)
+    response = client.get("/v1/stream/s?offset=-1&live=sse")
+    events = parse_sse(response.get_data(as_text=True))
+    assert [kind for kind, _ in events] == ["data", "control"]
+    assert events[0][1] == "hello\n"
+    assert len(reads) == 1

@@ -17,6 +17,7 @@ import pytest
 from flask import Flask
 from werkzeug.test import Client
 
+import fastpath
 from auth import mint_token
 from fastpath import header_lines
 from metrics import get_metrics
@@ -252,6 +253,7 @@ def test_an_unexpected_error_before_the_store_call_is_met_again_by_the_view(
         calls.append(args)
         raise RuntimeError("a bug")
 
+    monkeypatch.setattr(fastpath, "parse_payload", broken)
     monkeypatch.setattr(views, "parse_payload", broken)
     answers = answers_of_fast_path(app)
     response = Client(app).post("/v1/stream/s", data=b"[1]", headers=JSON)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import pytest
 import requests
 
-from picomq import format_offset
+from protocol import format_offset
 
 if TYPE_CHECKING:
     from conftest import Server, StartServer
