@@ -42,7 +42,6 @@ from metrics import count_append, get_metrics
 from protocol import (
     CLOSED,
     COMMON_HEADERS,
-    DIRECT_WRITER_ENVIRON_KEY,
     FAST_APPEND_FAILURE,
     PRODUCER_HEADERS,
     STREAM_PREFIX,
@@ -59,6 +58,7 @@ from protocol import (
 from settings import Settings
 from storage import StreamStore
 from streams import AppendRequest, AppendResult
+from wire import DIRECT_WRITER_ENVIRON_KEY
 
 
 class AnswerWriter(Protocol):

@@ -34,7 +34,6 @@ from protocol import (
     COMMON_HEADERS,
     CURSOR,
     DEFAULT_CONTENT_TYPE,
-    DIRECT_WRITER_ENVIRON_KEY,
     EARLIEST_OFFSET,
     EXPIRES_AT,
     FAST_APPEND_FAILURE,
@@ -55,7 +54,6 @@ from protocol import (
     BadRequest,
     Response,
     append_answer,
-    code_of_reason,
     empty_body,
     error_response,
     etag_of,
@@ -92,6 +90,7 @@ from streams import (
     is_json_type,
 )
 from subscriptions import register_subscriptions
+from wire import DIRECT_WRITER_ENVIRON_KEY, code_of_reason
 
 log = logging.getLogger("picomq")
 

@@ -42,6 +42,7 @@ from streams import (
     StreamNotFound,
     is_json_type,
 )
+from wire import error_body
 
 STREAM_PREFIX = "/v1/stream/"
 RESERVED_PREFIX = "__ds"  # the first segment of paths the protocol keeps for itself
@@ -92,9 +93,6 @@ COMMON_HEADERS = (*SECURITY_HEADERS.items(), *CORS_HEADERS.items())  # on every 
 PRODUCER_HEADERS = (PRODUCER_ID, PRODUCER_EPOCH, PRODUCER_SEQ)  # parse_producer's arguments
 # fastpath.py hands a plain append whose store call failed to the view under this key.
 FAST_APPEND_FAILURE = "picomq.fast_append_failure"
-# The server may offer its connection under this key (worker.py): live.py writes SSE
-# events to subscribers at the tail through it, fastpath.py a plain append's answer.
-DIRECT_WRITER_ENVIRON_KEY = "picomq.direct_writer"
 # A stream's bytes are whatever its writers sent (text/html, SVG, ...), served from this
 # origin, where read links may carry a token: a browser that opens one as a page runs
 # none of it, gives it an origin of its own, and loads nothing for it.
@@ -350,12 +348,6 @@ def stream_headers(info: StreamInfo, tail: int | None = None) -> dict[str, str]:
     return headers
 
 
-def error_body(code: str, message: str, details: dict[str, object] | None = None) -> bytes:
-    """The one shape of every refusal PicoMQ sends, from a view or from the worker:
-    `{"error": {"code", "message", ...details}}`."""
-    return orjson.dumps({"error": {"code": code, "message": message, **(details or {})}})
-
-
 def error_response(
     status: int,
     code: str,
@@ -365,12 +357,6 @@ def error_response(
 ) -> Response:
     body = error_body(code, message, details)
     return Response(body, status, headers or {}, mimetype="application/json")
-
-
-def code_of_reason(reason: str) -> str:
-    """An error code from an HTTP reason phrase: 'Request Entity Too Large' is
-    'request_entity_too_large'."""
-    return reason.lower().replace(" ", "_")
 
 
 def storage_unavailable_response() -> Response:

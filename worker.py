@@ -49,7 +49,7 @@ fan-out writes one small event to each of thousands of sockets per message, so t
 preamble sat on the hottest path PicoMQ has. Here a write is first offered to the
 kernel once, without blocking; only what the kernel does not take at once goes through
 gevent's `sendall`, which waits for the socket to drain. The handler also offers its
-connection to the app, in the environ (protocol.DIRECT_WRITER_ENVIRON_KEY): as live.py's
+connection to the app, in the environ (wire.DIRECT_WRITER_ENVIRON_KEY): as live.py's
 DirectWriter, through which the SSE fan-out writes events to parked subscribers between
 the app's own writes, framed as pywsgi frames what the app yields; and as fastpath.py's
 AnswerWriter, through which a plain append's answer goes out as one piece.
@@ -82,9 +82,9 @@ from gevent.pywsgi import Input, format_date_time
 from gunicorn.workers.ggevent import GeventPyWSGIWorker, PyWSGIHandler, PyWSGIServer
 
 from decimals import DECIMAL_PATTERN
-from protocol import DIRECT_WRITER_ENVIRON_KEY, code_of_reason, error_body
 from settings import Settings
 from wakeups import end_waits
+from wire import DIRECT_WRITER_ENVIRON_KEY, code_of_reason, error_body
 
 if TYPE_CHECKING:
     from greenlet import greenlet
