@@ -103,6 +103,15 @@ class Bucket(ObjectStore):
             return []
         return [entry.rstrip("/").rsplit("/", 1)[-1] for entry in entries]
 
+    def list_tree(self, prefix: str) -> list[str]:
+        """One listing without a delimiter (a page per 1,000 keys)."""
+        top = self.path(prefix)
+        try:
+            found = self._guarded(self.filesystem.find, top)
+        except FileNotFoundError:
+            return []
+        return [path[len(top) :].lstrip("/") for path in found]
+
     def list_after(self, prefix: str, after: str) -> list[str]:
         """On S3 the listing starts there (StartAfter): its cost does not grow with the
         names before it."""

@@ -115,3 +115,5 @@ def post_worker_init(worker: object) -> None:
     defer = gevent.get_hub().loop.run_callback
     get_metrics().writes.defer = defer
     access_log.defer = defer
+    # The worker serves as a member once others can reach it (members.py).
+    worker.wsgi.extensions["picomq.membership"].start(worker.peer_address)

@@ -88,6 +88,9 @@ class LiveConnections:
         self.in_flight -= 1
         self.gauge.labels(mode).dec()
 
+    def busy(self) -> bool:
+        return self.in_flight > 0
+
     def hold_until_closed(self, response: Response, mode: str) -> Response:
         """Give the slot taken by `admit` back when the response is closed."""
         response.call_on_close(functools.partial(self.release, mode))

@@ -470,6 +470,15 @@ class LocalDisk(ObjectStore):
     def watch_creates(self, prefix: str, on_create: OnCreate) -> Cancel | None:
         return dirwatch.watcher.watch_creates(self.path(prefix), on_create)
 
+    def list_tree(self, prefix: str) -> list[str]:
+        top = self.path(prefix)
+        return [
+            os.path.relpath(os.path.join(folder, name), top)
+            for folder, _, names in os.walk(top)
+            for name in names
+            if not name.startswith(".")
+        ]
+
     def list(self, prefix: str) -> list[str]:
         """Hidden names (temporary files, the writers' lock file) are no objects."""
         try:

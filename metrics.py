@@ -289,6 +289,10 @@ class MeasuredObjects(ObjectStore):
     def list_after(self, prefix: str, after: str) -> list[str]:
         return self.objects.list_after(prefix, after)
 
+    @measured("list")
+    def list_tree(self, prefix: str) -> list[str]:
+        return self.objects.list_tree(prefix)
+
     @measured("delete")
     def delete(self, key: str) -> None:
         self.objects.delete(key)

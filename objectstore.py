@@ -204,3 +204,7 @@ class ObjectStore(ABC):
     def list_after(self, prefix: str, after: str) -> list[str]:
         """Names directly under `prefix` that sort after `after`, in order."""
         return sorted(name for name in self.list(prefix) if name > after)
+
+    @abstractmethod
+    def list_tree(self, prefix: str) -> list[str]:
+        """Every object under `prefix`, at any depth, as keys relative to it."""

@@ -24,7 +24,9 @@ from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from auth import register_auth
 from fastpath import FastAppends
+from forwarding import Forwarder
 from live import EventStreams, LiveConnections, live_wait
+from members import Membership, partition_of
 from metrics import MeasuredObjects, get_metrics
 from objectstore import StorageUnavailable
 from ops import register_operations
@@ -188,8 +190,13 @@ class StreamApp(Flask):
     """
 
     fast_path: Callable[[dict, Callable], Iterable[bytes] | None] | None = None
+    forwarder: Forwarder | None = None
 
     def __call__(self, environ: dict, start_response: Callable) -> Iterable[bytes]:
+        if self.forwarder is not None:  # a stream another member serves goes there
+            answer = self.forwarder(environ, start_response)
+            if answer is not None:
+                return answer
         if self.fast_path is not None:
             answer = self.fast_path(environ, start_response)
             if answer is not None:
@@ -225,7 +232,30 @@ def create_app(settings: Settings, store: StreamStore | None = None) -> StreamAp
     register_operations(app, store, settings)
     register_common_answers(app)
     app.fast_path = FastAppends(store, settings, verifier)
+    app.forwarder = serve_as_member(app, store, settings, views)
     return app
+
+
+def serve_as_member(
+    app: StreamApp, store: StreamStore, settings: Settings, views: StreamViews
+) -> Forwarder:
+    """Serve only the streams this process owns, forwarding the others (members.py).
+
+    The membership starts when the worker knows its peer address (gunicorn.conf.py's
+    post_worker_init); until then, as under another WSGI server, this process serves
+    every stream and keeps looking for others' appends as it always did.
+    """
+    membership = Membership(store.objects, settings.lease_seconds)
+    app.extensions["picomq.membership"] = membership
+    store.serves_alone = membership.serves
+    membership.on_change.append(
+        lambda partition, ours: store.forget_streams(
+            lambda path: partition_of(path) == partition, moved=not ours
+        )
+    )
+    membership.busy = views.live_connections.busy
+    live_seconds = max(settings.long_poll_timeout, settings.sse_max_duration)
+    return Forwarder(membership, settings.max_request_bytes, live_seconds)
 
 
 def register_common_answers(app: Flask) -> None:

@@ -39,6 +39,7 @@ from streams import (
     StreamConflict,
     StreamGone,
     StreamInfo,
+    StreamMoved,
     StreamNotFound,
     is_json_type,
 )
@@ -119,6 +120,7 @@ STATUS_OF_ERROR: dict[type[StoreError], int] = {
     ProducerGap: 409,
     StreamGone: 410,
     OffsetTrimmed: 410,
+    StreamMoved: 503,
 }
 
 
@@ -410,6 +412,8 @@ def store_error_response(error: StoreError) -> Response:
             PRODUCER_EXPECTED_SEQ: str(error.expected),
             PRODUCER_RECEIVED_SEQ: str(error.received),
         }
+    elif isinstance(error, StreamMoved):
+        headers = {"Retry-After": RETRY_AFTER_SECONDS}
     status = STATUS_OF_ERROR[type(error)]
     return error_response(status, "_".join(words_of(type(error))), str(error), headers)
 

@@ -41,7 +41,7 @@ class Reads:
         """
         current = True
         reaches_tail = _read_start(stream, offset) + most >= stream.state.tail
-        if reaches_tail and not self.pieces.tail_confirmed(stream, freshness):
+        if reaches_tail and not stream.alone and not self.pieces.tail_confirmed(stream, freshness):
             try:
                 self.pieces.refresh(stream)  # the answer may reach the tail: say up-to-date truly
             except StorageUnavailable:

@@ -262,6 +262,20 @@ SETTINGS: tuple[Setting, ...] = (
         " the end of the reply; then it counts as failed and is retried.",
     ),
     Setting(
+        "peer_host",
+        "127.0.0.1",
+        _non_empty,
+        "Address each worker's peer listener binds to and gives the others, which forward"
+        " there the requests for the streams it serves; nodes on one bucket must reach it.",
+    ),
+    Setting(
+        "lease_seconds",
+        "10",
+        _positive_float,
+        "Seconds after its last heartbeat that a member's streams may be taken over by"
+        " another; a heartbeat goes every third of it while the member serves.",
+    ),
+    Setting(
         "cache_bytes",
         str(64 * 1024 * 1024),
         _positive_int,
@@ -342,6 +356,8 @@ class Settings:
     jwt_audience: str | None
     webhook_allowed_networks: tuple[Network, ...]
     webhook_timeout: float
+    peer_host: str
+    lease_seconds: float
     cache_bytes: int
     index_cache_bytes: int
     retention_age: int | None

@@ -128,6 +128,9 @@ class StreamStore:
         self._building: dict[tuple[str, object], AsyncResult] = {}  # handles being loaded
         self.listeners: list[Callable[[StreamInfo], None]] = []
         self.commit_observers: list[Callable[[int], None]] = []  # appends per group commit
+        # Whether this process alone serves a path's stream (members.py): then what it
+        # holds is the whole truth, and storage need not be asked what others did.
+        self.serves_alone: Callable[[str], bool] = lambda path: False
 
     # -- opening, caching, expiry -----------------------------------------------------
 
@@ -168,8 +171,10 @@ class StreamStore:
         stream = self._streams.get(path)
         now = time.monotonic()
         max_age = max(max_age, self.settings.recheck_interval)
-        if stream is not None and now - stream.checked_at < max_age:
+        alone = self.serves_alone(path)
+        if stream is not None and (alone or now - stream.checked_at < max_age):
             self._streams.move_to_end(path)
+            stream.alone = alone
             return stream
         if stream is not None:
             stream.checked_at = now  # one check at a time: concurrent requests use the cache
@@ -180,7 +185,7 @@ class StreamStore:
             if stream is None:
                 raise
             return stream  # storage is down: what we already know still serves reads
-        fresh.checked_at = now
+        fresh.checked_at, fresh.alone = now, alone
         return fresh
 
     def _touch(self, stream: Stream) -> None:
@@ -264,9 +269,10 @@ class StreamStore:
         """Re-list an index older than `index_max_age`: compaction may have moved its data.
 
         Compaction deletes a segment only `delete_grace` after packing it, far longer
-        than an index may age, so no reader or writer ever uses a deleted segment.
+        than an index may age, so no reader or writer ever uses a deleted segment. A
+        stream this process serves alone changes only here: its index is never stale.
         """
-        if time.monotonic() - stream.indexed_at > self.settings.index_max_age:
+        if not stream.alone and time.monotonic() - stream.indexed_at > self.settings.index_max_age:
             self._index(stream)
         return stream
 
@@ -293,6 +299,17 @@ class StreamStore:
         if self.objects.identity(meta_key(key)) != identity:
             raise StreamNotFound(f"stream {path} was deleted")
         raise StorageUnavailable(f"fork source {fork.source} is missing from storage")
+
+    def forget_streams(self, changed: Callable[[str], bool], *, moved: bool) -> None:
+        """Drop the handles of streams that changed hands: ones this process has begun to
+        serve (loaded before, they may be stale: the next request loads them anew) or,
+        `moved`, ones another process serves now (their waiters end, and a retry
+        reaches it)."""
+        for path in [path for path in self._streams.paths() if changed(path)]:
+            stream = self._streams.get(path)
+            self._streams.discard(path)
+            if stream is not None and moved:
+                stream.move_away()
 
     def _index(self, stream: Stream) -> None:
         """List the stream's pieces; then retention looks at what it may drop."""
@@ -492,13 +509,15 @@ class StreamStore:
 
     def head(self, path: str) -> StreamInfo:
         stream = self._open(path)
-        self.pieces.refresh_if_reachable(stream)
+        if not stream.alone:
+            self.pieces.refresh_if_reachable(stream)
         return stream.info()
 
     def touch(self, path: str) -> StreamInfo:
         """Renew a sliding TTL (reads that return no data still count as use)."""
         stream = self._open(path, touch=True)
-        self.pieces.refresh(stream)
+        if not stream.alone:
+            self.pieces.refresh(stream)
         return stream.info()
 
     def read(

@@ -68,6 +68,10 @@ class StreamConflict(StoreError):
     """The request is valid but disagrees with the stream (config, content type, Stream-Seq)."""
 
 
+class StreamMoved(StoreError):
+    """Another process serves the stream now (members.py): ask again, and be sent there."""
+
+
 class InvalidRequest(StoreError):
     pass
 
@@ -346,6 +350,8 @@ class Stream:
     erased: bool = False  # deleted through this handle: its waiters must not wait on
     depth: int = 0  # how many forks lie between it and a stream that is no fork
     counted_bytes: int = 0  # its footprint when the handle cache last counted it
+    alone: bool = False  # this process alone serves it: no other process changes it
+    moved: bool = False  # another process serves it now: this handle serves no more
 
     @functools.cached_property
     def prefix(self) -> str:
@@ -415,7 +421,10 @@ class Stream:
         self.wakeups.notify()
 
     def raise_if_retired(self) -> None:
-        """What a handle deleted (410 while forks read it, else 404) answers from now on."""
+        """What a handle deleted (410 while forks read it, else 404), or one whose stream
+        another process serves now, answers from now on."""
+        if self.moved:
+            raise StreamMoved(f"stream {self.config.path} is served elsewhere now; retry")
         if self.gone:
             raise StreamGone(f"stream {self.config.path} was deleted")
         if self.erased:
@@ -431,6 +440,12 @@ class Stream:
         origin = self.config.fork
         assert origin is not None
         self.config = replace(self.config, fork=replace(origin, earliest=earliest))
+
+    def move_away(self) -> None:
+        """Another process serves the stream from now on: its waiters end (a retry
+        reaches the new server)."""
+        self.moved = True
+        self.notify()
 
     def end_waits(self) -> None:
         """Wake a deleted stream's waiters for good: no data will come to this handle."""
@@ -512,6 +527,9 @@ class Handles:
 
     def move_to_end(self, path: str) -> None:
         self._handles.move_to_end(path)
+
+    def paths(self) -> list[str]:
+        return list(self._handles)
 
     def put(self, path: str, stream: Stream) -> None:
         self.discard(path)

@@ -1,10 +1,11 @@
 """Live waits: a reader waits until a stream grows past its offset, closes, or time is up.
 
-Appends made in this process wake their stream's readers at once (wakeups.py). Those
-of other processes are found by looking for the next segment, and only while someone
-waits, so idle streams cost nothing: on local disk when an inotify watch says a file
-was added to the segment directory (dirwatch.py), with a timed look as a safety net;
-elsewhere every `poll_interval`, each look a request.
+Appends made in this process wake their stream's readers at once (wakeups.py). A
+stream this process serves alone (members.py) has no other writer, and its readers
+cost nothing more. Other processes' appends are found by looking for the next
+segment, and only while someone waits, so idle streams cost nothing: on local disk
+when an inotify watch says a file was added to the segment directory (dirwatch.py),
+with a timed look as a safety net; elsewhere every `poll_interval`, each look a request.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ class Waits:
         (`StreamStore._open`).
         """
         poll_interval = self.settings.poll_interval
-        if offset >= stream.state.tail and not self.pieces.tail_confirmed(stream, poll_interval):
+        confirmed = stream.alone or self.pieces.tail_confirmed(stream, poll_interval)
+        if offset >= stream.state.tail and not confirmed:
             self.pieces.refresh_if_reachable(stream)
         offset = min(offset, stream.state.tail)  # past the tail waits at it (see `read`)
         if offset < stream.earliest:
@@ -53,7 +55,7 @@ class Waits:
             while stream.state.tail <= offset and not stream.state.closed:
                 if time.monotonic() >= deadline:
                     break
-                if not stream.polling:
+                if not stream.polling and not stream.alone:  # alone: no one else appends
                     stream.polling = True
                     gevent.spawn(self._poll, stream)
                 stream.wakeups.wait(deadline)

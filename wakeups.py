@@ -68,6 +68,7 @@ class Wakeups:
 
 _every_wakeups: weakref.WeakSet[Wakeups] = weakref.WeakSet()
 _waits_ended = False
+_when_waits_end: list[Callable[[], None]] = []
 
 
 def end_waits() -> None:
@@ -78,6 +79,13 @@ def end_waits() -> None:
     _waits_ended = True
     for wakeups in list(_every_wakeups):
         wakeups.notify()
+    for callback in _when_waits_end:
+        callback()
+
+
+def when_waits_end(callback: Callable[[], None]) -> None:
+    """Run `callback` when `end_waits` runs: another kind of live read ends with them."""
+    _when_waits_end.append(callback)
 
 
 def waits_ended() -> bool:

@@ -90,6 +90,7 @@ if TYPE_CHECKING:
     from greenlet import greenlet
 
 READ_BUFFER_BYTES = 1024
+PEER_BACKLOG = 2048
 # A header line (RFC 9110 5.1, 5.5): a token, a colon, a value without control
 # characters (a lone CR among them: some proxies end a line there), optional whitespace.
 HEADER_LINE = re.compile(
@@ -613,6 +614,18 @@ class PicoMQWorker(GeventPyWSGIWorker):
 
     server_class = PicoMQServer
     wsgi_handler = PicoMQHandler
+
+    def patch(self) -> None:
+        """gevent's sockets, and one more: the peer listener, where the other workers and
+        nodes forward requests for the streams this worker serves (forwarding.py)."""
+        super().patch()
+        settings = Settings.from_environment()  # gunicorn.conf.py has checked them
+        peer = gevent_socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        peer.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        peer.bind((settings.peer_host, 0))
+        peer.listen(PEER_BACKLOG)
+        self.sockets.append(peer)
+        self.peer_address = f"{settings.peer_host}:{peer.getsockname()[1]}"
 
     def init_process(self) -> None:
         settings = Settings.from_environment()  # gunicorn.conf.py has checked them

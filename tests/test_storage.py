@@ -70,6 +70,7 @@ JOIN_TIMEOUT_SECONDS = 60.0
 ALTERNATING_ROUNDS = 12
 WRITERS_PER_STORE = 6
 APPENDS_PER_WRITER = 8
+SEGMENTS_AHEAD = 20
 
 Action = Callable[[], None]
 MakeStore = Callable[[], StreamStore]
@@ -1201,6 +1202,30 @@ def test_a_writer_whose_segment_a_refresh_read_past_keeps_the_further_tail(
     assert writing.get(timeout=WAIT_TIMEOUT_SECONDS).info.tail == len(b"ours;")
     assert handle.state.tail == further
     assert read_all(ours, "log") == b"ours;theirs;"
+
+
+def test_a_writer_behind_by_many_segments_catches_up_in_a_few_reads(
+    make_store: MakeStore,
+) -> None:
+    """A store whose tail is old loses the race at it, then lists instead of reading each
+    segment: read one by one, the segments written since would cost a request each (and
+    a store that kept writing would stay ahead of the reader)."""
+    behind, ahead = make_store(), make_store()
+    ahead.create("log", CreateRequest(TEXT))
+    append_text(behind, "log", b"0")  # it knows the tail
+    for number in range(1, SEGMENTS_AHEAD + 1):
+        append_text(ahead, "log", b"%d," % number)
+    reads, read = [], behind.objects.read
+
+    def counted(key: str, *arguments: object) -> bytes:
+        reads.append(key)
+        return read(key, *arguments)
+
+    behind.objects.read = counted  # type: ignore[method-assign]
+    append_text(behind, "log", b"last")
+    assert len([key for key in reads if "/seg/" in key]) <= 2, reads
+    expected = b"0" + b"".join(b"%d," % n for n in range(1, SEGMENTS_AHEAD + 1)) + b"last"
+    assert read_all(make_store(), "log") == expected
 
 
 def test_stores_alternating_on_one_stream_never_overwrite(make_store: MakeStore) -> None:

@@ -1001,9 +1001,10 @@ def test_request_ids_made_by_different_workers_never_repeat(
     start_server: StartServer, tmp_path: Path
 ) -> None:
     """Workers are forked from one master: an id generator that each did not reseed would
-    hand out the same ids in every worker. PicoMQ's own access lines carry the pid."""
+    hand out the same ids in every worker. PicoMQ's own access lines carry the pid.
+    A route that every worker serves itself: a stream's requests all go to its owner."""
     server, access_log = start_logged_server(start_server, tmp_path)
-    probe = f"{server.url}{READINESS_PATH}-ids"
+    probe = f"{server.url}/healthz"
     given: list[str] = []
     # As in the catch-up test: the kernel may hand a run of connections to one worker.
     while len(given) < REQUEST_ID_PROBES or (

@@ -1,0 +1,186 @@
+"""Forwarding: a stream request that another member serves goes to it, and back, whole.
+
+Every stream has one member that serves it (members.py). A request that reaches any
+other worker or node is sent on to that member's peer listener unchanged (method,
+target, headers, body), marked so it is never sent on again, and its answer comes back
+as the owner gave it: status, headers, and a body streamed as it comes, so SSE and
+long-poll reads work through any node. Clients need no redirect to follow: the Python
+client follows none.
+
+When the owner does not answer, its heartbeat decides: a dead owner's partition is
+claimed here and the request served here; a live one unreachable is a 503 with
+Retry-After. An owner that no longer owns the partition answers 421, and the claims
+are read again once.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from urllib.parse import quote
+
+import urllib3
+
+from members import Membership, Owner
+from objectstore import StorageUnavailable
+from protocol import RETRY_AFTER_SECONDS, STREAM_PREFIX, is_reserved
+from wakeups import when_waits_end
+from wire import error_body
+
+log = logging.getLogger("picomq.forwarding")
+
+FORWARDED_KEY = "HTTP_X_PICOMQ_FORWARDED"
+FORWARDED_HEADER = "X-PicoMQ-Forwarded"
+MISDIRECTED = 421
+CONNECT_SECONDS = 2.0
+READ_MARGIN_SECONDS = 30.0  # past the longest quiet spell of a live answer
+POOL_CONNECTIONS = 64
+STREAM_CHUNK_BYTES = 64 * 1024
+# Headers of one connection, not of the request or answer (RFC 9110 7.6.1).
+HOP_BY_HOP = frozenset(
+    {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
+     "upgrade"}
+)  # fmt: skip
+
+
+class Forwarder:
+    """The WSGI answer to stream requests another member serves; None for the others."""
+
+    def __init__(self, membership: Membership, max_body_bytes: int, live_seconds: float) -> None:
+        self.membership = membership
+        self.max_body_bytes = max_body_bytes
+        self.timeout = urllib3.Timeout(
+            connect=CONNECT_SECONDS, read=live_seconds + READ_MARGIN_SECONDS
+        )
+        self.pools: dict[str, urllib3.HTTPConnectionPool] = {}
+        self.open: set[urllib3.BaseHTTPResponse] = set()  # answers being relayed
+        when_waits_end(self.end_relays)
+
+    def __call__(self, environ: dict, start_response: Callable) -> Iterable[bytes] | None:
+        if not self.membership.started or FORWARDED_KEY in environ:
+            return None  # served where it landed: forwarded once already, or alone
+        path_info = environ.get("PATH_INFO", "")
+        if not path_info.startswith(STREAM_PREFIX):
+            return None
+        path = path_info[len(STREAM_PREFIX) :]
+        if is_reserved(path):
+            return None  # the subscription routes serve from every member
+        try:
+            owner = self.membership.owner_for(path)
+        except StorageUnavailable as error:
+            return unavailable(start_response, f"who serves this stream is unknown: {error}")
+        if owner is None:
+            return None
+        return self.forward(environ, start_response, path, owner)
+
+    def forward(
+        self, environ: dict, start_response: Callable, path: str, owner: Owner
+    ) -> Iterable[bytes] | None:
+        body = read_body(environ, self.max_body_bytes)
+        for _ in range(2):
+            try:
+                answer = self._send(environ, body, owner)
+            except urllib3.exceptions.HTTPError as error:
+                if not self.membership.owner_is_dead(owner):
+                    log.warning("owner %s of %s unreachable: %s", owner.member, path, error)
+                    return unavailable(start_response, "the stream's server is unreachable")
+                answer = None
+            if answer is not None and answer.status != MISDIRECTED:
+                return self._relay(answer, start_response)
+            if answer is not None:
+                answer.release_conn()
+            self.membership.forget_owner(path)
+            try:
+                owner = self.membership.owner_for(path)
+            except StorageUnavailable as error:
+                return unavailable(start_response, f"who serves this stream is unknown: {error}")
+            if owner is None:  # ours now: served here, with the body put back
+                environ["wsgi.input"] = io.BytesIO(body)
+                environ["CONTENT_LENGTH"] = str(len(body))
+                environ.pop("HTTP_TRANSFER_ENCODING", None)
+                return None
+        return unavailable(start_response, "the stream's server keeps moving; retry")
+
+    def _send(self, environ: dict, body: bytes, owner: Owner) -> urllib3.BaseHTTPResponse:
+        pool = self.pools.get(owner.address)
+        if pool is None:
+            host, _, port = owner.address.rpartition(":")
+            pool = urllib3.HTTPConnectionPool(
+                host, int(port), maxsize=POOL_CONNECTIONS, block=False
+            )
+            self.pools[owner.address] = pool
+        return pool.urlopen(
+            environ["REQUEST_METHOD"], target(environ), body=body or None,
+            headers=request_headers(environ, len(body)), retries=False, redirect=False,
+            timeout=self.timeout, preload_content=False, decode_content=False,
+        )  # fmt: skip
+
+    def _relay(self, answer: urllib3.BaseHTTPResponse, start_response: Callable) -> Iterator[bytes]:
+        headers = [
+            (name, value)
+            for name, value in answer.headers.items()
+            if name.lower() not in HOP_BY_HOP
+        ]
+        start_response(f"{answer.status} {answer.reason}", headers)
+        self.open.add(answer)
+        return self._body(answer)
+
+    def _body(self, answer: urllib3.BaseHTTPResponse) -> Iterator[bytes]:
+        """The owner's body as it comes: each chunk of a chunked answer at once."""
+        try:
+            yield from answer.stream(STREAM_CHUNK_BYTES, decode_content=False)
+        except (urllib3.exceptions.HTTPError, OSError) as error:
+            log.info("relay ended: %s", error)
+        finally:
+            self.open.discard(answer)
+            answer.release_conn()
+
+    def end_relays(self) -> None:
+        """The worker is stopping: end the live answers being relayed (their clients
+        resume from their offsets, as after any stop)."""
+        for answer in list(self.open):
+            answer.shutdown()
+
+
+def target(environ: dict) -> str:
+    """The request's target as the client sent it (the path is decoded in PATH_INFO)."""
+    path = quote(environ["PATH_INFO"].encode("latin-1"), safe="/")
+    query = environ.get("QUERY_STRING")
+    return f"{path}?{query}" if query else path
+
+
+def request_headers(environ: dict, length: int) -> dict[str, str]:
+    headers = {
+        key[5:].replace("_", "-").title(): value
+        for key, value in environ.items()
+        if key.startswith("HTTP_") and key[5:].replace("_", "-").lower() not in HOP_BY_HOP
+    }
+    if environ.get("CONTENT_TYPE"):
+        headers["Content-Type"] = environ["CONTENT_TYPE"]
+    headers["Content-Length"] = str(length)
+    headers[FORWARDED_HEADER] = "1"
+    return headers
+
+
+def read_body(environ: dict, most: int) -> bytes:
+    """The whole body, or its first `most` + 1 bytes: the owner answers 413 past `most`."""
+    stream = environ["wsgi.input"]
+    chunks, received = [], 0
+    while received <= most:
+        chunk = stream.read(min(STREAM_CHUNK_BYTES, most + 1 - received))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        received += len(chunk)
+    return b"".join(chunks)
+
+
+def unavailable(start_response: Callable, message: str) -> list[bytes]:
+    body = error_body("storage_unavailable", message)
+    start_response(
+        "503 SERVICE UNAVAILABLE",
+        [("Content-Type", "application/json"), ("Content-Length", str(len(body))),
+         ("Retry-After", RETRY_AFTER_SECONDS)],
+    )  # fmt: skip
+    return [body]

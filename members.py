@@ -1,0 +1,267 @@
+"""Members and owners: which process serves which streams.
+
+Every PicoMQ process serving through gunicorn is a *member*: a random id, an address
+where the others can reach it (its peer listener, worker.py) and a heartbeat object.
+Streams are spread over PARTITIONS by a hash of their path; each partition has at most
+one owning member at a time, and only the owner serves its streams (the others forward
+to it: forwarding.py). So a stream is created, appended to, read, waited on and deleted
+by one process, which sees every change as it happens: no process serves a stale view,
+and readers waiting on a stream cost no storage request.
+
+Objects under the storage root (the heartbeat is the only one ever rewritten):
+
+    cluster/members/<member>               empty; its modified time is the last heartbeat
+    cluster/partitions/<p>/<epoch>         one claim of partition p: member, address
+
+The highest epoch of a partition names its owner. A member claims a partition nobody
+owns, or one whose owner's heartbeat is older than the lease, by creating the next
+epoch: of two claimants, one wins. Ages are compared on the storage's clock: the
+modified time of the other's heartbeat against that of the claimant's own; on one
+machine, a member whose process is gone is dead at once.
+
+An owner serves only while its lease holds by its own monotonic clock, counted from
+when its last heartbeat was sent: a member paused past its lease (SIGSTOP, a stalled
+VM) checks its claims again before it serves. A member heartbeats only while it is
+asked to serve or holds live reads: an idle member costs no request, and lets its
+leases lapse.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import gevent
+import orjson
+from gevent.lock import Semaphore
+
+from objectstore import ObjectStore, StorageUnavailable
+
+log = logging.getLogger("picomq.members")
+
+PARTITIONS = 64
+MEMBERS = "cluster/members"
+CLAIMS = "cluster/partitions"
+CLAIM_ATTEMPTS = 5
+HOST = socket.gethostname()
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The member that claimed a partition last."""
+
+    member: str
+    address: str
+    epoch: int
+    host: str = ""
+    pid: int = 0
+
+
+def partition_of(path: str) -> int:
+    return zlib.crc32(path.encode()) % PARTITIONS
+
+
+def _process_exists(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, killed but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as status:
+            return status.read().rpartition(b")")[2].split()[0] != b"Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc here: ask the kernel
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: it exists
+        pass
+    return True
+
+
+class Membership:
+    """This process as a member: its heartbeat, its partitions, and where others' are.
+
+    `start(address)` makes it one; until then (an app served by another WSGI server,
+    a test's in-process app) it owns everything and asks storage nothing.
+    """
+
+    def __init__(self, objects: ObjectStore, lease_seconds: float) -> None:
+        self.objects = objects
+        self.lease_seconds = lease_seconds
+        self.member = f"{HOST}-{os.getpid()}-{os.urandom(4).hex()}"
+        self.address: str | None = None
+        self.owned: dict[int, int] = {}  # partition -> our epoch
+        self.owners: dict[int, Owner] = {}  # others' partitions, as last read
+        self.heartbeat_sent = float("-inf")  # monotonic, when the last heartbeat went
+        self.storage_time = 0.0  # the storage's clock at that heartbeat
+        self.active = float("-inf")  # monotonic, when we were last asked to serve
+        # A partition changed hands (partition, ours now): what was held of its streams
+        # may be stale.
+        self.on_change: list[Callable[[int, bool], None]] = []
+        self.busy: Callable[[], bool] = lambda: False  # live reads in flight: keep beating
+        self._beating = False
+        self._resolving = [Semaphore() for _ in range(PARTITIONS)]
+
+    @property
+    def started(self) -> bool:
+        return self.address is not None
+
+    def start(self, address: str) -> None:
+        """Join as a member reachable at `address` ("host:port")."""
+        self.address = address
+
+    # -- routing -------------------------------------------------------------------
+
+    def owner_for(self, path: str) -> Owner | None:
+        """Who serves `path`'s stream: None for this process, else the owner to forward to.
+
+        Claims the partition when nobody serves it. Raises StorageUnavailable when
+        storage cannot say.
+        """
+        if not self.started:
+            return None
+        partition = partition_of(path)
+        self.active = time.monotonic()
+        if partition in self.owned and self._lease_holds():
+            return None
+        with self._resolving[partition]:  # one look at the claims at a time, for all asking
+            if partition in self.owned and self._lease_holds():
+                return None
+            return self._resolve(partition)
+
+    def _resolve(self, partition: int) -> Owner | None:
+        self._keep_heartbeat()
+        if partition in self.owned:  # our lease lapsed: is the claim still ours?
+            self.owners.pop(partition, None)
+        owner = self.owners.get(partition) or self._read_owner(partition)
+        if owner is None or (owner.member != self.member and self._is_dead(owner)):
+            return self._claim(partition, owner)
+        if owner.member == self.member:
+            self.owned[partition] = owner.epoch
+            return None
+        self._lose(partition)
+        self.owners[partition] = owner
+        return owner
+
+    def _lose(self, partition: int) -> None:
+        if self.owned.pop(partition, None) is not None:
+            log.info("member %s no longer owns partition %d", self.member, partition)
+            for changed in self.on_change:
+                changed(partition, False)
+
+    def serves(self, path: str) -> bool:
+        """Whether this member serves `path`'s stream alone right now: no other process
+        writes it, so what this process holds of it is the whole truth."""
+        return self.started and partition_of(path) in self.owned and self._lease_holds()
+
+    def forget_owner(self, path: str) -> None:
+        """The owner we forwarded to did not answer as one: read the claims again."""
+        self.owners.pop(partition_of(path), None)
+
+    def owner_is_dead(self, owner: Owner) -> bool:
+        """After a forward to `owner` failed: whether its heartbeat has stopped."""
+        try:
+            return self._is_dead(owner)
+        except StorageUnavailable:
+            return False
+
+    # -- claims --------------------------------------------------------------------
+
+    def _read_owner(self, partition: int) -> Owner | None:
+        names = [name for name in self.objects.list(f"{CLAIMS}/{partition:02d}") if name.isdigit()]
+        if not names:
+            return None
+        epoch = max(map(int, names))
+        try:
+            claim = orjson.loads(self.objects.read(f"{CLAIMS}/{partition:02d}/{epoch:010d}"))
+        except FileNotFoundError:
+            return None
+        return Owner(claim["member"], claim["address"], epoch, claim["host"], claim["pid"])
+
+    def _claim(self, partition: int, previous: Owner | None) -> Owner | None:
+        """Create the next epoch of `partition`; on a lost race, the winner is the owner."""
+        epoch = previous.epoch + 1 if previous else 1
+        claim = {"member": self.member, "address": self.address, "host": HOST, "pid": os.getpid()}
+        body = orjson.dumps(claim)
+        for _ in range(CLAIM_ATTEMPTS):
+            try:
+                self.objects.create(f"{CLAIMS}/{partition:02d}/{epoch:010d}", body)
+            except FileExistsError:
+                owner = self._read_owner(partition)
+                if owner is not None and owner.member == self.member:
+                    self.owned[partition] = owner.epoch  # an earlier try of ours landed
+                    return None
+                if owner is None or self._is_dead(owner):
+                    epoch = (owner.epoch if owner else epoch) + 1
+                    continue
+                self._lose(partition)
+                self.owners[partition] = owner
+                return owner
+            log.info("member %s claims partition %d (epoch %d)", self.member, partition, epoch)
+            self.owned[partition] = epoch
+            self.owners.pop(partition, None)
+            for changed in self.on_change:
+                changed(partition, True)
+            return None
+        raise StorageUnavailable(f"partition {partition}: too many claims at once; retry")
+
+    def _is_dead(self, owner: Owner) -> bool:
+        """Whether `owner`'s heartbeat is older than the lease, on the storage's clock, or
+        its process, on this machine, is gone."""
+        if owner.host == HOST and owner.pid != os.getpid() and not _process_exists(owner.pid):
+            return True
+        modified = self.objects.modified(f"{MEMBERS}/{owner.member}")
+        if modified is None:
+            return True
+        now = self.storage_time + (time.monotonic() - self.heartbeat_sent)
+        return now - modified > self.lease_seconds
+
+    # -- heartbeat -----------------------------------------------------------------
+
+    def _lease_holds(self) -> bool:
+        return time.monotonic() - self.heartbeat_sent < self.lease_seconds * 2 / 3
+
+    def _keep_heartbeat(self) -> None:
+        """Heartbeat now, and every third of the lease while we are asked to serve."""
+        self._beat()
+        if not self._beating:
+            self._beating = True
+            gevent.spawn(self._beat_while_active)
+
+    def _beat(self) -> None:
+        sent = time.monotonic()
+        key = f"{MEMBERS}/{self.member}"
+        self.objects.touch(key)
+        self.storage_time = self.objects.modified(key) or time.time()
+        self.heartbeat_sent = sent
+
+    def _beat_while_active(self) -> None:
+        try:
+            while time.monotonic() - self.active < self.lease_seconds or self.busy():
+                gevent.sleep(self.lease_seconds / 3)
+                try:
+                    self._beat()
+                    self._check_claims()
+                except StorageUnavailable as error:
+                    log.warning("heartbeat failed: %s", error)
+        finally:
+            self._beating = False
+
+    def _check_claims(self) -> None:
+        """Let go of the partitions whose last claim is no longer ours: another member
+        took one (it thought us dead), or storage lost them. One listing of every claim."""
+        latest: dict[int, int] = {}
+        for name in self.objects.list_tree(CLAIMS):
+            partition, _, epoch = name.partition("/")
+            if partition.isdigit() and epoch.isdigit():
+                latest[int(partition)] = max(latest.get(int(partition), 0), int(epoch))
+        for partition, epoch in list(self.owned.items()):
+            if latest.get(partition) != epoch:
+                self.owners.pop(partition, None)
+                self._lose(partition)
