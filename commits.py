@@ -29,9 +29,20 @@ from typing import TYPE_CHECKING
 
 import gevent
 
+from log import Record
 from objectstore import StorageUnavailable
 from pieces import Pieces
-from segments import ProducerEntry, StreamState, encode_producer_table, encode_segment, positions
+from rewrites import Rewrites
+from segments import (
+    MAX_SEGMENT_BYTES,
+    ProducerEntry,
+    SegmentIndex,
+    StreamState,
+    count_within,
+    encode_producer_table,
+    encode_segment,
+    positions,
+)
 from streams import (
     PRODUCER_ENTRY_BYTES,
     AppendRequest,
@@ -58,9 +69,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("picomq.storage")
 
 CONTENTION_LIMIT_SECONDS = 5.0
-# A batch is committed as one segment, whose positions are u32 (segments.py): at most
-# this much data, or one append if larger.
-MAX_BATCH_BYTES = 64 * 1024 * 1024
 # Idempotent producers (see `_snapshot_producers_if_due` and `_forget_producers`).
 MAX_PRODUCERS = 1000
 PRODUCER_IDLE_SECONDS = 7 * 24 * 3600  # as the reference server and Kafka's default
@@ -77,15 +85,19 @@ class Commits:
         pieces: Pieces,
         writer_locks: StreamLocks | None,
         committed: Callable[[Stream, int], None],
+        rewrites: Rewrites,
     ) -> None:
         """`writer_locks` make the processes of one machine that write a stream take
         turns (streamlocks.py); without them a single process pays nothing for it.
-        `committed(stream, appends)` runs after each commit."""
+        `committed(stream, appends)` runs after each commit. Streams this process
+        serves alone commit through the member's log, and `rewrites` holds them."""
         self.pieces = pieces
         self.objects = pieces.objects
         self.settings = pieces.settings
         self.writer_locks = writer_locks
         self.committed = committed
+        self.rewrites = rewrites
+        self.log = rewrites.log
 
     def append(self, stream: Stream, request: AppendRequest) -> AppendResult:
         """Queue an append for the stream's writer and wait until it is durable.
@@ -113,7 +125,7 @@ class Commits:
                 stream.writing = False
 
     def _write_batch(self, stream: Stream) -> None:
-        if self.settings.linger_fraction:
+        if self.settings.linger_fraction and not self._logs(stream):
             # Let the writers just answered send their next append: one batch instead
             # of two cohorts taking turns (object stores bill per PUT).
             gevent.sleep(min(self.settings.linger_fraction * stream.write_seconds, 0.05))
@@ -130,8 +142,12 @@ class Commits:
                 _fail_unanswered(batch, StorageUnavailable(INTERRUPTED_APPEND))
                 raise
 
+    def _logs(self, stream: Stream) -> bool:
+        """Whether the stream commits through the member's log: it is served here alone."""
+        return stream.alone and self.log.active
+
     def _writer_turn(self, stream: Stream) -> AbstractContextManager[bool]:
-        if self.writer_locks is None:
+        if self.writer_locks is None or self._logs(stream):
             return nullcontext(False)
         return self.writer_locks.held(stream.prefix)
 
@@ -175,36 +191,61 @@ class Commits:
                 pending.result.set(outcome)
 
     def _write_segment(self, stream: Stream, plan: Plan) -> None:
-        """Create the segment at the tail; `FileExistsError` if another writer won."""
-        start = plan.start
+        """Store the batch as the segment at the tail (through the member's log when the
+        stream commits there); `FileExistsError` if another writer won the tail."""
         # 128 random bits, as uuid4 has, without its object (a measurable part of a
         # lone commit: bench/README.md, "The store's figures").
         token = os.urandom(16).hex()
         previous_snapshot = plan.state.producer_snapshot
         snapshot = self._snapshot_producers_if_due(stream, plan, token)
-        payload = b"".join(plan.payload)
         data, index = encode_segment(
-            start, payload, plan.append_ends, plan.message_ends, plan.state, token=token
+            plan.start,
+            b"".join(plan.payload),
+            plan.append_ends,
+            plan.message_ends,
+            plan.state,
+            token=token,
         )
-        key = stream.segment_key(start)
-        stream.creating = start
+        if self._logs(stream):
+            self._log_segment(stream, plan, data, index)
+        else:
+            self._create_segment(stream, plan, data, index, snapshot)
+        if snapshot is not None and previous_snapshot is not None:
+            self.pieces.delete_later([previous_snapshot])
+        if stream.state.tail == plan.start:  # else a refresh read this segment and went further
+            stream.state = plan.state
+
+    def _create_segment(
+        self, stream: Stream, plan: Plan, data: bytes, index: SegmentIndex, snapshot: str | None
+    ) -> None:
+        """Create the segment at the tail: the fence between processes that write it."""
+        key = stream.segment_key(plan.start)
+        stream.creating = plan.start
         try:
             self.objects.create(key, data, verified_on_load=True)
         except FileExistsError:
-            if self.pieces.read_piece(key, whole=True)[0].token != token:
+            if self.pieces.read_piece(key, whole=True)[0].token != index.token:
                 if snapshot is not None:  # written for this attempt alone: nothing names it
                     self.pieces.delete_quietly([snapshot])
                 raise
             # Our own earlier attempt landed; only its answer was lost.
         finally:
             stream.creating = None
-        if snapshot is not None and previous_snapshot is not None:
-            self.pieces.delete_later([previous_snapshot])
         self.pieces.cache.put(key, data)
         self.pieces.indexes.put(key, index, index.nbytes)  # live readers want it next
-        stream.add_start(start)
-        if stream.state.tail == start:  # else a refresh read this segment and went further
-            stream.state = plan.state
+        stream.add_start(plan.start)
+
+    def _log_segment(self, stream: Stream, plan: Plan, data: bytes, index: SegmentIndex) -> None:
+        """Commit through the member's log: durable once the log object holding the
+        record is stored (log.py); held in memory until rewritten (rewrites.py)."""
+        stream.raise_if_retired()  # moved while a producer snapshot was written
+        stream.creating = plan.start
+        try:
+            record = Record(stream.config.path, stream.prefix, plan.start, data)
+            seq = self.log.write(record)
+        finally:
+            stream.creating = None
+        self.rewrites.hold(stream, plan.start, seq, data, index)
 
     def _snapshot_producers_if_due(self, stream: Stream, plan: Plan, token: str) -> str | None:
         """Write the producer table as a snapshot once the changes since the last one
@@ -304,14 +345,10 @@ class Plan:
 
 
 def _take_batch(pending: list[Pending]) -> tuple[list[Pending], list[Pending]]:
-    """The appends of the next segment (up to MAX_BATCH_BYTES, one at least), and the rest."""
-    size = 0
-    for taken, waiting in enumerate(pending):
-        payload = waiting.request.payload
-        size += len(payload.data) if payload is not None else 0
-        if size > MAX_BATCH_BYTES and taken:
-            return pending[:taken], pending[taken:]
-    return pending, []
+    """The appends of the next segment (up to MAX_SEGMENT_BYTES, one at least), and the rest."""
+    sizes = (len(p.request.payload.data) if p.request.payload else 0 for p in pending)
+    taken = count_within(sizes, MAX_SEGMENT_BYTES)
+    return pending[:taken], pending[taken:]
 
 
 def _fail_unanswered(batch: list[Pending], error: Exception) -> None:

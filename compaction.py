@@ -57,7 +57,7 @@ def _compact(pieces: Pieces, stream: Stream) -> None:
             for index, _ in headers
         )
         end, state = headers[-1][0].end, headers[-1][1]
-        appends, messages = _pack_ends(run[0], [index for index, _ in headers])
+        appends, messages = joined_ends(run[0], [index for index, _ in headers])
         pack = stream.pack_key(run[0], end)
         try:
             data, _ = encode_segment(run[0], payload, appends, messages, state)
@@ -73,8 +73,8 @@ def _compact(pieces: Pieces, stream: Stream) -> None:
         stream.end_housekeeping()
 
 
-def _pack_ends(start: int, indexes: list[SegmentIndex]) -> tuple[array, array]:
-    """The append and message ends of the segments of a pack, relative to its start.
+def joined_ends(start: int, indexes: list[SegmentIndex]) -> tuple[array, array]:
+    """The append and message ends of consecutive segments, relative to the first's start.
 
     A run holds up to compact_max_bytes of small messages: the loop yields between
     segments, so other requests never wait on more than one segment's worth.

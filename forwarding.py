@@ -2,7 +2,7 @@
 
 Every stream has one member that serves it (members.py). A request that reaches any
 other worker or node is sent on to that member's peer listener unchanged (method,
-target, headers, body), marked so it is never sent on again, and its answer comes back
+target, headers, body), so it is never sent on again, and its answer comes back
 as the owner gave it: status, headers, and a body streamed as it comes, so SSE and
 long-poll reads work through any node. Clients need no redirect to follow: the Python
 client follows none.
@@ -11,6 +11,12 @@ When the owner does not answer, its heartbeat decides: a dead owner's partition 
 claimed here and the request served here; a live one unreachable is a 503 with
 Retry-After. An owner that no longer owns the partition answers 421, and the claims
 are read again once.
+
+Requests that come to the peer listener (worker.py marks them; no header a client
+sends can) are served only by the owner, never sent on again. One more request goes
+between members: before a fork is made, the member making it asks the source's owner
+to rewrite what it holds of the source into its segments (`settle`), where the fork
+will read it.
 """
 
 from __future__ import annotations
@@ -25,14 +31,19 @@ import urllib3
 from members import Membership, Owner
 from objectstore import StorageUnavailable
 from protocol import RETRY_AFTER_SECONDS, STREAM_PREFIX, is_reserved
+from streams import StoreError
 from wakeups import when_waits_end
-from wire import error_body
+from wire import PEER_ENVIRON_KEY, error_body
 
 log = logging.getLogger("picomq.forwarding")
 
-FORWARDED_KEY = "HTTP_X_PICOMQ_FORWARDED"
-FORWARDED_HEADER = "X-PicoMQ-Forwarded"
+SETTLE_HEADER = "X-PicoMQ-Settle"
+SETTLE_KEY = "HTTP_X_PICOMQ_SETTLE"
 MISDIRECTED = 421
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+QUICK_LEASES = 2  # an answer that is no live read comes within this many leases
+# Failures before the request left: the owner never saw it.
+NEVER_SENT = (urllib3.exceptions.NewConnectionError, urllib3.exceptions.ConnectTimeoutError)
 CONNECT_SECONDS = 2.0
 READ_MARGIN_SECONDS = 30.0  # past the longest quiet spell of a live answer
 POOL_CONNECTIONS = 64
@@ -47,19 +58,30 @@ HOP_BY_HOP = frozenset(
 class Forwarder:
     """The WSGI answer to stream requests another member serves; None for the others."""
 
-    def __init__(self, membership: Membership, max_body_bytes: int, live_seconds: float) -> None:
+    def __init__(
+        self,
+        membership: Membership,
+        max_body_bytes: int,
+        live_seconds: float,
+        settle_here: Callable[[str], None],
+    ) -> None:
+        """`settle_here(path)` rewrites what this process holds of a stream it serves."""
         self.membership = membership
+        self.settle_here = settle_here
         self.max_body_bytes = max_body_bytes
-        self.timeout = urllib3.Timeout(
+        self.live_timeout = urllib3.Timeout(
             connect=CONNECT_SECONDS, read=live_seconds + READ_MARGIN_SECONDS
+        )
+        self.quick_timeout = urllib3.Timeout(
+            connect=CONNECT_SECONDS, read=QUICK_LEASES * membership.lease_seconds
         )
         self.pools: dict[str, urllib3.HTTPConnectionPool] = {}
         self.open: set[urllib3.BaseHTTPResponse] = set()  # answers being relayed
         when_waits_end(self.end_relays)
 
     def __call__(self, environ: dict, start_response: Callable) -> Iterable[bytes] | None:
-        if not self.membership.started or FORWARDED_KEY in environ:
-            return None  # served where it landed: forwarded once already, or alone
+        if not self.membership.started:
+            return None  # served alone
         path_info = environ.get("PATH_INFO", "")
         if not path_info.startswith(STREAM_PREFIX):
             return None
@@ -70,22 +92,59 @@ class Forwarder:
             owner = self.membership.owner_for(path)
         except StorageUnavailable as error:
             return unavailable(start_response, f"who serves this stream is unknown: {error}")
+        from_peer = environ.get(PEER_ENVIRON_KEY, False)
         if owner is None:
+            if from_peer and SETTLE_KEY in environ:
+                return self._settle_here(path, start_response)
             return None
+        if from_peer:  # the member that sent it thinks we serve it: it looks again
+            return answer_empty(start_response, "421 Misdirected Request")
         return self.forward(environ, start_response, path, owner)
+
+    def _settle_here(self, path: str, start_response: Callable) -> list[bytes]:
+        try:
+            self.settle_here(path)
+        except StorageUnavailable as error:
+            return unavailable(start_response, f"could not rewrite the stream: {error}")
+        except StoreError:
+            pass  # gone, or never there: the fork's own look says so
+        return answer_empty(start_response, "204 No Content")
+
+    def settle(self, path: str) -> None:
+        """Have the member serving `path`'s stream rewrite what it holds of it (a fork is
+        being made of it). Raises StorageUnavailable if that cannot be done now."""
+        for _ in range(2):
+            owner = self.membership.owner_for(path)
+            if owner is None:
+                self.settle_here(path)
+                return
+            environ = {"REQUEST_METHOD": "POST", "PATH_INFO": f"{STREAM_PREFIX}{path}"}
+            try:
+                answer = self._send(environ, b"", owner, {SETTLE_HEADER: "1"})
+            except urllib3.exceptions.HTTPError as error:
+                raise StorageUnavailable(f"the source's server is unreachable: {error}") from None
+            answer.drain_conn()
+            answer.release_conn()
+            if answer.status == 204:
+                return
+            if answer.status != MISDIRECTED:
+                raise StorageUnavailable(f"the source's server answered {answer.status}")
+            self.membership.forget_owner(path)
+        raise StorageUnavailable("the source's server keeps moving; retry")
 
     def forward(
         self, environ: dict, start_response: Callable, path: str, owner: Owner
     ) -> Iterable[bytes] | None:
         body = read_body(environ, self.max_body_bytes)
         for _ in range(2):
+            reached = False  # whether the owner may have acted on the request
             try:
                 answer = self._send(environ, body, owner)
             except urllib3.exceptions.HTTPError as error:
                 if not self.membership.owner_is_dead(owner):
                     log.warning("owner %s of %s unreachable: %s", owner.member, path, error)
                     return unavailable(start_response, "the stream's server is unreachable")
-                answer = None
+                answer, reached = None, not isinstance(error, NEVER_SENT)
             if answer is not None and answer.status != MISDIRECTED:
                 return self._relay(answer, start_response)
             if answer is not None:
@@ -95,6 +154,10 @@ class Forwarder:
                 owner = self.membership.owner_for(path)
             except StorageUnavailable as error:
                 return unavailable(start_response, f"who serves this stream is unknown: {error}")
+            if owner is None and reached and environ["REQUEST_METHOD"] not in SAFE_METHODS:
+                # The dead owner may have stored it: the client's retry decides (producers'
+                # retries are deduplicated), not ours.
+                return unavailable(start_response, "the stream's server stopped; retry")
             if owner is None:  # ours now: served here, with the body put back
                 environ["wsgi.input"] = io.BytesIO(body)
                 environ["CONTENT_LENGTH"] = str(len(body))
@@ -102,7 +165,12 @@ class Forwarder:
                 return None
         return unavailable(start_response, "the stream's server keeps moving; retry")
 
-    def _send(self, environ: dict, body: bytes, owner: Owner) -> urllib3.BaseHTTPResponse:
+    def _send(
+        self, environ: dict, body: bytes, owner: Owner, extra: dict[str, str] | None = None
+    ) -> urllib3.BaseHTTPResponse:
+        """Send the request to `owner`. A live read may stay quiet for as long as it
+        lasts; any other answer comes within `quick_seconds`, or the owner's heartbeat
+        is looked at: a paused owner holds no client for longer."""
         pool = self.pools.get(owner.address)
         if pool is None:
             host, _, port = owner.address.rpartition(":")
@@ -112,8 +180,10 @@ class Forwarder:
             self.pools[owner.address] = pool
         return pool.urlopen(
             environ["REQUEST_METHOD"], target(environ), body=body or None,
-            headers=request_headers(environ, len(body)), retries=False, redirect=False,
-            timeout=self.timeout, preload_content=False, decode_content=False,
+            headers={**request_headers(environ, len(body)), **(extra or {})},
+            retries=False, redirect=False,
+            timeout=self.live_timeout if is_live(environ) else self.quick_timeout,
+            preload_content=False, decode_content=False,
         )  # fmt: skip
 
     def _relay(self, answer: urllib3.BaseHTTPResponse, start_response: Callable) -> Iterator[bytes]:
@@ -150,6 +220,11 @@ def target(environ: dict) -> str:
     return f"{path}?{query}" if query else path
 
 
+def is_live(environ: dict) -> bool:
+    """A long-poll or SSE read: its answer may be quiet for as long as it lasts."""
+    return "live=" in environ.get("QUERY_STRING", "")
+
+
 def request_headers(environ: dict, length: int) -> dict[str, str]:
     headers = {
         key[5:].replace("_", "-").title(): value
@@ -159,7 +234,6 @@ def request_headers(environ: dict, length: int) -> dict[str, str]:
     if environ.get("CONTENT_TYPE"):
         headers["Content-Type"] = environ["CONTENT_TYPE"]
     headers["Content-Length"] = str(length)
-    headers[FORWARDED_HEADER] = "1"
     return headers
 
 
@@ -174,6 +248,11 @@ def read_body(environ: dict, most: int) -> bytes:
         chunks.append(chunk)
         received += len(chunk)
     return b"".join(chunks)
+
+
+def answer_empty(start_response: Callable, status: str) -> list[bytes]:
+    start_response(status, [("Content-Length", "0")])
+    return []
 
 
 def unavailable(start_response: Callable, message: str) -> list[bytes]:

@@ -115,5 +115,9 @@ def post_worker_init(worker: object) -> None:
     defer = gevent.get_hub().loop.run_callback
     get_metrics().writes.defer = defer
     access_log.defer = defer
-    # The worker serves as a member once others can reach it (members.py).
-    worker.wsgi.extensions["picomq.membership"].start(worker.peer_address)
+    # The worker serves as a member once others can reach it (members.py); stopping, it
+    # rewrites what its log holds and lets the others take its streams at once.
+    membership = worker.wsgi.extensions["picomq.membership"]
+    membership.start(worker.peer_address)
+    worker.before_exit.append(worker.wsgi.extensions["picomq.store"].close)
+    worker.before_exit.append(membership.leave)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from objectstore import ObjectStore, StorageUnavailable
 from streams import (
@@ -48,10 +49,14 @@ FORK_MARKER_SECONDS = 60.0
 class Lifecycle:
     """Deletes and the markers of forks and trims, over the objects of every stream."""
 
-    def __init__(self, objects: ObjectStore, handles: Handles) -> None:
-        """`handles`: the process's open handles, from which an erased stream's goes."""
+    def __init__(
+        self, objects: ObjectStore, handles: Handles, erased: Callable[[Stream], None]
+    ) -> None:
+        """`handles`: the process's open handles, from which an erased stream's goes;
+        `erased(stream)` runs once a stream is erased (its held records go)."""
         self.objects = objects
         self.handles = handles
+        self.erased = erased
 
     def retire(self, stream: Stream) -> bool:
         """Delete, or soft-delete while forks still read the data; True if soft.
@@ -154,6 +159,7 @@ class Lifecycle:
             stream.end_waits()  # erased by another request first
             raise StreamNotFound(f"stream {config.path} not found") from error
         stream.end_waits()
+        self.erased(stream)
         self.remove_leftovers(stream)
         if stream.source is not None:
             self._release_source(stream.source, stream)

@@ -28,6 +28,7 @@ leases lapse.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import socket
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 
 import gevent
 import orjson
+from gevent.event import AsyncResult
 from gevent.lock import Semaphore
 
 from objectstore import ObjectStore, StorageUnavailable
@@ -49,6 +51,20 @@ MEMBERS = "cluster/members"
 CLAIMS = "cluster/partitions"
 CLAIM_ATTEMPTS = 5
 HOST = socket.gethostname()
+
+
+def _machine() -> str:
+    """Who can see this process's pid: the host, its boot and the pid namespace. Two
+    containers named alike, or a host rebooted, are other machines; where /proc does
+    not tell, a name no other process has (its members are never judged by pid)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as boot:
+            return f"{HOST}/{boot.read().strip()}/{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return f"{HOST}/{os.urandom(8).hex()}"
+
+
+MACHINE = _machine()
 
 
 @dataclass(frozen=True)
@@ -99,12 +115,20 @@ class Membership:
         self.owned: dict[int, int] = {}  # partition -> our epoch
         self.owners: dict[int, Owner] = {}  # others' partitions, as last read
         self.heartbeat_sent = float("-inf")  # monotonic, when the last heartbeat went
-        self.storage_time = 0.0  # the storage's clock at that heartbeat
         self.active = float("-inf")  # monotonic, when we were last asked to serve
         # A partition changed hands (partition, ours now): what was held of its streams
         # may be stale.
         self.on_change: list[Callable[[int, bool], None]] = []
         self.busy: Callable[[], bool] = lambda: False  # live reads in flight: keep beating
+        # This member's id, now and each time it takes a new one (`retire`).
+        self.on_identity: list[Callable[[str], None]] = []
+        # Replays a member's log (storage.py) before its partitions are served here;
+        # fenced first, unless its process is known to be gone.
+        self.replay: Callable[[str, bool], None] = lambda member, fence: None
+        # Whether our log was fenced while our lease had lapsed (log.py).
+        self.log_fenced: Callable[[], bool] = lambda: False
+        self.retired: set[str] = set()  # ids this process gave up: dead, whatever beats
+        self._replays: dict[str, AsyncResult] = {}
         self._beating = False
         self._resolving = [Semaphore() for _ in range(PARTITIONS)]
 
@@ -115,6 +139,29 @@ class Membership:
     def start(self, address: str) -> None:
         """Join as a member reachable at `address` ("host:port")."""
         self.address = address
+        for begin in self.on_identity:
+            begin(self.member)
+
+    def leave(self) -> None:
+        """Stopping: the heartbeat goes, so that others take our partitions at once."""
+        if self.started:
+            self._delete_quietly([f"{MEMBERS}/{self.member}"])
+
+    def retire(self) -> None:
+        """Give up this member's id and everything it serves: its log was fenced (another
+        member took over, believing it dead), or a flush's outcome is unknown. Its
+        streams are served next by whoever replays its log first, this process too,
+        as a new member."""
+        old = self.member
+        self.retired.add(old)
+        self.member = f"{HOST}-{os.getpid()}-{os.urandom(4).hex()}"
+        log.warning("member %s retires; this process is member %s now", old, self.member)
+        for partition in list(self.owned):
+            self._lose(partition)
+        self.owners.clear()
+        gevent.spawn(self._delete_quietly, [f"{MEMBERS}/{old}"])  # it is dead at once
+        for begin in self.on_identity:
+            begin(self.member)
 
     # -- routing -------------------------------------------------------------------
 
@@ -139,6 +186,8 @@ class Membership:
         self._keep_heartbeat()
         if partition in self.owned:  # our lease lapsed: is the claim still ours?
             self.owners.pop(partition, None)
+            if self.log_fenced():  # taken over meanwhile: we retired; resolve anew
+                return self._resolve(partition)
         owner = self.owners.get(partition) or self._read_owner(partition)
         if owner is None or (owner.member != self.member and self._is_dead(owner)):
             return self._claim(partition, owner)
@@ -187,18 +236,23 @@ class Membership:
     def _claim(self, partition: int, previous: Owner | None) -> Owner | None:
         """Create the next epoch of `partition`; on a lost race, the winner is the owner."""
         epoch = previous.epoch + 1 if previous else 1
-        claim = {"member": self.member, "address": self.address, "host": HOST, "pid": os.getpid()}
+        claim = {
+            "member": self.member, "address": self.address, "host": MACHINE, "pid": os.getpid()
+        }  # fmt: skip
         body = orjson.dumps(claim)
         for _ in range(CLAIM_ATTEMPTS):
+            if previous is not None and previous.member != self.member:
+                self._replay_once(previous)  # what it stored is in its streams first
+            key = f"{CLAIMS}/{partition:02d}/{epoch:010d}"
             try:
-                self.objects.create(f"{CLAIMS}/{partition:02d}/{epoch:010d}", body)
+                self.objects.create(key, body)
             except FileExistsError:
                 owner = self._read_owner(partition)
                 if owner is not None and owner.member == self.member:
                     self.owned[partition] = owner.epoch  # an earlier try of ours landed
                     return None
                 if owner is None or self._is_dead(owner):
-                    epoch = (owner.epoch if owner else epoch) + 1
+                    previous, epoch = owner or previous, (owner.epoch if owner else epoch) + 1
                     continue
                 self._lose(partition)
                 self.owners[partition] = owner
@@ -208,19 +262,52 @@ class Membership:
             self.owners.pop(partition, None)
             for changed in self.on_change:
                 changed(partition, True)
+            if epoch > 1:  # the claims before are history: the listing stays one per partition
+                gevent.spawn(self._delete_quietly, [f"{CLAIMS}/{partition:02d}/{epoch - 1:010d}"])
             return None
         raise StorageUnavailable(f"partition {partition}: too many claims at once; retry")
 
+    def _replay_once(self, owner: Owner) -> None:
+        """Replay a dead member's log, once per process: fenced, it can store no more.
+        Partitions resolved at once wait for one replay. Its heartbeat goes after."""
+        member = owner.member
+        done = self._replays.get(member)
+        if done is None:
+            done = self._replays[member] = AsyncResult()
+            try:
+                self.replay(member, not self._gone_here(owner))
+                self._delete_quietly([f"{MEMBERS}/{member}"])
+                done.set(None)
+            except BaseException as error:
+                del self._replays[member]  # the next claim tries again
+                done.set_exception(error)
+                raise
+        done.get()
+
+    def _delete_quietly(self, keys: list[str]) -> None:
+        try:
+            self.objects.delete_many(keys)
+        except StorageUnavailable as error:
+            log.info("could not delete %s: %s", keys, error)
+
     def _is_dead(self, owner: Owner) -> bool:
         """Whether `owner`'s heartbeat is older than the lease, on the storage's clock, or
-        its process, on this machine, is gone."""
-        if owner.host == HOST and owner.pid != os.getpid() and not _process_exists(owner.pid):
+        its process, on this machine, is gone, or it is an id this process gave up."""
+        if owner.member in self.retired:
+            return True
+        if self._gone_here(owner):
             return True
         modified = self.objects.modified(f"{MEMBERS}/{owner.member}")
         if modified is None:
             return True
-        now = self.storage_time + (time.monotonic() - self.heartbeat_sent)
+        ours = self.objects.modified(f"{MEMBERS}/{self.member}") or time.time()
+        now = ours + (time.monotonic() - self.heartbeat_sent)  # the storage's clock, now
         return now - modified > self.lease_seconds
+
+    @staticmethod
+    def _gone_here(owner: Owner) -> bool:
+        """Whether `owner` was a process of this machine that no longer runs."""
+        return owner.host == MACHINE and owner.pid != os.getpid() and not _process_exists(owner.pid)
 
     # -- heartbeat -----------------------------------------------------------------
 
@@ -236,18 +323,20 @@ class Membership:
 
     def _beat(self) -> None:
         sent = time.monotonic()
-        key = f"{MEMBERS}/{self.member}"
-        self.objects.touch(key)
-        self.storage_time = self.objects.modified(key) or time.time()
+        self.objects.touch(f"{MEMBERS}/{self.member}")
         self.heartbeat_sent = sent
 
     def _beat_while_active(self) -> None:
+        """One PUT every third of the lease, and a listing of the claims every lease."""
         try:
-            while time.monotonic() - self.active < self.lease_seconds or self.busy():
+            for beat in itertools.count(1):
+                if time.monotonic() - self.active >= self.lease_seconds and not self.busy():
+                    break
                 gevent.sleep(self.lease_seconds / 3)
                 try:
                     self._beat()
-                    self._check_claims()
+                    if beat % 3 == 0:
+                        self._check_claims()
                 except StorageUnavailable as error:
                     log.warning("heartbeat failed: %s", error)
         finally:
@@ -255,13 +344,16 @@ class Membership:
 
     def _check_claims(self) -> None:
         """Let go of the partitions whose last claim is no longer ours: another member
-        took one (it thought us dead), or storage lost them. One listing of every claim."""
+        took one (it thought us dead, and fenced our log), or storage lost them. One
+        listing of every claim."""
         latest: dict[int, int] = {}
         for name in self.objects.list_tree(CLAIMS):
             partition, _, epoch = name.partition("/")
             if partition.isdigit() and epoch.isdigit():
                 latest[int(partition)] = max(latest.get(int(partition), 0), int(epoch))
-        for partition, epoch in list(self.owned.items()):
-            if latest.get(partition) != epoch:
-                self.owners.pop(partition, None)
-                self._lose(partition)
+        lost = [p for p, epoch in self.owned.items() if latest.get(p) != epoch]
+        for partition in lost:
+            self.owners.pop(partition, None)
+            self._lose(partition)
+        if lost:
+            self.log_fenced()  # taken from us as dead: fenced, we retire before a flush fails

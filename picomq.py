@@ -153,6 +153,11 @@ def parse_read_offset() -> str | None:
 # -- the app ----------------------------------------------------------------------
 
 
+def _either(value: float | None, default: float) -> float:
+    """A setting given, or its `auto` default."""
+    return default if value is None else value
+
+
 def create_store(settings: Settings) -> StreamStore:
     """Object stores bill per request: check them less often than a local disk.
 
@@ -171,11 +176,14 @@ def create_store(settings: Settings) -> StreamStore:
         linger_fraction=0.0 if local else 0.5,
         index_max_age=settings.index_max_age,
         # A sweep reads every stream: cheap on disk, a bucket listing on object stores.
-        sweep_interval=(3600.0 if local else 0.0)
-        if settings.sweep_interval is None
-        else settings.sweep_interval,
+        sweep_interval=_either(settings.sweep_interval, 3600.0 if local else 0.0),
         retention_age=settings.retention_age,
         retention_bytes=settings.retention_bytes,
+        log_linger=(0.0 if local else 0.005)
+        if settings.log_linger is None
+        else settings.log_linger,
+        rewrite_seconds=settings.rewrite_seconds,
+        held_bytes=settings.log_held_bytes,
     )
     writer_locks = StreamLocks.for_storage(objects.root, local) if settings.workers > 1 else None
     return StreamStore(objects, store_settings, writer_locks)
@@ -253,9 +261,17 @@ def serve_as_member(
             lambda path: partition_of(path) == partition, moved=not ours
         )
     )
-    membership.busy = views.live_connections.busy
+    # The log: written as the member's id, fenced or given up with it, replayed by the next.
+    membership.on_identity.append(store.log.begin)
+    store.log.on_fenced.append(membership.retire)
+    membership.replay = store.replay
+    membership.log_fenced = store.log.is_fenced
+    # Beat while live reads wait or the log holds commits not yet rewritten.
+    membership.busy = lambda: views.live_connections.busy() or bool(store.rewrites.holding)
     live_seconds = max(settings.long_poll_timeout, settings.sse_max_duration)
-    return Forwarder(membership, settings.max_request_bytes, live_seconds)
+    forwarder = Forwarder(membership, settings.max_request_bytes, live_seconds, store.settle)
+    store.settle_elsewhere = forwarder.settle
+    return forwarder
 
 
 def register_common_answers(app: Flask) -> None:

@@ -43,6 +43,13 @@ class Pieces:
         self.settings = settings
         self.cache: ObjectCache[bytes] = ObjectCache(settings.cache_bytes)
         self.indexes: ObjectCache[SegmentIndex] = ObjectCache(settings.index_cache_bytes)
+        # Records of the member's log not yet in their streams' segments, by their
+        # `Stream.logged_key`: never evicted, dropped once rewritten (rewrites.py).
+        self.held: dict[str, bytes] = {}
+
+    def cached(self, key: str) -> bytes | None:
+        """A piece's bytes from memory: held until rewritten, or cached."""
+        return self.held.get(key) or self.cache.get(key)
 
     def index(self, stream: Stream) -> None:
         """List a stream's segments and packs and read its state from the last one.
@@ -154,7 +161,7 @@ class Pieces:
         from storage, it may be another process's, just linked: made durable before
         anything in it is served.
         """
-        data = self.cache.get(key)
+        data = self.cached(key)
         if data is None:
             data = (
                 self.objects.read(key) if whole else self.objects.read(key, 0, HEADER_PROBE_BYTES)

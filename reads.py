@@ -159,7 +159,7 @@ class Reads:
     def _byte_chunks(self, slices: list[tuple[str, int, int, int]]) -> Iterator[bytes]:
         """Small objects come whole through the cache; large ones stream in chunks."""
         for key, position, length, size in slices:
-            data = self.cache.get(key)
+            data = self.pieces.cached(key)
             if data is None and size <= self.cache.capacity_bytes // 8:
                 data = self.objects.read(key)
                 self.cache.put(key, data)

@@ -12,6 +12,9 @@ than twice `index_max_age`: no writer can then hold a tail so old that the trimm
 name would look free. Forked streams are not trimmed: their forks read the data
 (`StreamStore.publish_trim` says how a trim and a fork being created see each other).
 The last piece, with the stream's state (closed flag, producers), always stays.
+Commits held in memory, not yet rewritten from the member's log (rewrites.py), are
+rewritten first: a stream kept by age or size pays a segment per look, not one per
+`rewrite_seconds`, so that what it must drop goes as soon.
 """
 
 from __future__ import annotations
@@ -34,9 +37,11 @@ log = logging.getLogger("picomq.storage")
 
 # Makes a new earliest offset known unless a fork reads below it (lifecycle.py).
 PublishTrim = Callable[["Stream", int], bool]
+# Rewrites what the member's log holds of a stream into its segments (rewrites.py).
+Rewrite = Callable[["Stream"], None]
 
 
-def schedule_trim(pieces: Pieces, publish: PublishTrim, stream: Stream) -> None:
+def schedule_trim(pieces: Pieces, publish: PublishTrim, rewrite: Rewrite, stream: Stream) -> None:
     """Check retention soon, once: after appends, on load, and when data comes of age.
 
     Only streams with a retention setting and data past it get a timer, so idle
@@ -46,23 +51,24 @@ def schedule_trim(pieces: Pieces, publish: PublishTrim, stream: Stream) -> None:
     if config.retention_age is None and config.retention_bytes is None:
         return
     if len(stream.starts) >= 2:
-        stream.trim_later(
-            pieces.settings.index_max_age / 10, functools.partial(_trim, pieces, publish, stream)
-        )
+        trim = functools.partial(_trim, pieces, publish, rewrite, stream)
+        stream.trim_later(pieces.settings.index_max_age / 10, trim)
 
 
-def _trim(pieces: Pieces, publish: PublishTrim, stream: Stream) -> None:
+def _trim(pieces: Pieces, publish: PublishTrim, rewrite: Rewrite, stream: Stream) -> None:
     """Publish a new earliest offset, then delete the pieces below it after the grace."""
     if not stream.begin_housekeeping():  # compaction is rewriting the index: look again soon
-        schedule_trim(pieces, publish, stream)
+        schedule_trim(pieces, publish, rewrite, stream)
         return
     try:
+        if stream.logged:
+            rewrite(stream)
         cut, wake_at = _trim_point(pieces, stream)
         if cut > stream.earliest and publish(stream, cut):
             pieces.delete_later(stream.trim(cut))
         if wake_at is not None:
             delay = max(wake_at - time.time(), pieces.settings.index_max_age / 10)
-            stream.trim_later(delay, functools.partial(_trim, pieces, publish, stream))
+            stream.trim_later(delay, functools.partial(_trim, pieces, publish, rewrite, stream))
     except (StorageUnavailable, FileNotFoundError, CorruptSegment) as error:
         log.warning("retention of %s postponed: %s", stream.config.path, error)
     finally:
@@ -76,6 +82,8 @@ def _trim_point(pieces: Pieces, stream: Stream) -> tuple[int, float | None]:
     starts = list(stream.starts)
     cut, wake_at = stream.earliest, None
     for start, following in zip(starts, starts[1:], strict=False):
+        if start in stream.logged:  # held in memory, not yet a segment: the tail stays
+            break
         piece, after = pieces.segment(stream, start), pieces.segment(stream, following)
         too_old = config.retention_age is not None and (
             piece.written_at < now - config.retention_age

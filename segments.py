@@ -30,6 +30,7 @@ import sys
 import time
 import zlib
 from array import array
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import orjson
@@ -37,7 +38,10 @@ import orjson
 MAGIC = b"PMQ1"
 PREFIX = struct.Struct(">4sII")
 HEADER_PROBE_BYTES = 64 * 1024
-POSITION_TYPE = "I"  # u32: a segment holds less than 4 GiB (storage.py's MAX_BATCH_BYTES)
+POSITION_TYPE = "I"  # u32: a segment holds less than 4 GiB
+# A segment a commit, a rewrite or a replay writes holds at most this much data (or one
+# append, one record, if larger): well inside its u32 positions.
+MAX_SEGMENT_BYTES = 64 * 1024 * 1024
 LITTLE_ENDIAN = sys.byteorder == "little"
 
 # A producer's entry: its epoch, its last sequence number, and when it last appended
@@ -80,6 +84,18 @@ class StreamState:
 
     def changed_producers(self) -> dict[str, ProducerEntry]:
         return {key: self.producers[key] for key in self.producers_changed}
+
+
+def count_within(sizes: Iterable[int], most: int) -> int:
+    """How many of the first items, of these sizes, fit in `most` bytes together; one at
+    least, if there is one."""
+    total = count = 0
+    for size in sizes:
+        total += size
+        if total > most and count:
+            break
+        count += 1
+    return count
 
 
 def positions(values: list[int] | None = None) -> array:

@@ -276,6 +276,28 @@ SETTINGS: tuple[Setting, ...] = (
         " another; a heartbeat goes every third of it while the member serves.",
     ),
     Setting(
+        "log_linger",
+        "auto",
+        _auto_or_non_negative_float,
+        "Seconds a flush of the member's log that finds it idle waits for other streams'"
+        " commits to join it: more latency for a lone append, fewer objects written"
+        " (auto: 0.005 on object stores, 0 on local disk).",
+    ),
+    Setting(
+        "rewrite_seconds",
+        "30",
+        _positive_float,
+        "Seconds a stream's commits stay in the member's log (and its memory) at most"
+        " before they are rewritten into the stream's own segments; also at 4 MiB.",
+    ),
+    Setting(
+        "log_held_bytes",
+        str(256 * 1024 * 1024),
+        _positive_int,
+        "Bytes of commits not yet rewritten that each worker holds in memory; past"
+        " it, every stream's are rewritten at once.",
+    ),
+    Setting(
         "cache_bytes",
         str(64 * 1024 * 1024),
         _positive_int,
@@ -358,6 +380,9 @@ class Settings:
     webhook_timeout: float
     peer_host: str
     lease_seconds: float
+    log_linger: float | None
+    rewrite_seconds: float
+    log_held_bytes: int
     cache_bytes: int
     index_cache_bytes: int
     retention_age: int | None

@@ -16,6 +16,9 @@ never rewritten):
     <root>/streams/<key>/<incarnation>/touched      sliding-TTL access marker (mtime)
     <root>/streams/<key>/<incarnation>/...          deleting, gone, forks/, trimming/:
                                                     the markers of lifecycle.py
+    <root>/log/<member>/<seq>                       a member's commits of many streams,
+                                                    until rewritten into their segments
+                                                    (log.py, rewrites.py)
 
 <key> is the stream path percent-encoded into one name, or `%h` and its SHA-256 when
 too long (streams.py), so no input can name a file outside the root or another path's
@@ -23,6 +26,11 @@ folder. Offsets are byte positions in the stream, and a segment's name is the of
 it starts at, so the next segment of a stream is always named by its tail: a writer
 creates `seg/<tail>`, and the create-only write is the fence between processes and
 nodes.
+
+A stream that one member serves alone (members.py) commits through the member's
+log, and its records are rewritten into segments in the background: what the log
+holds that the segments do not yet, the member holds in memory, and whoever serves
+its streams after it replays its log first (`replay`).
 
 This module opens streams (a handle per stream, checked against storage, which is the
 only truth), creates them, and hands the rest to its parts, each over the stream's
@@ -34,7 +42,10 @@ segments into packs, retention.py trims streams that keep data by age or size.
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -54,12 +65,12 @@ from buckets import Bucket
 from commits import Commits
 from lifecycle import Lifecycle
 from localdisk import LocalDisk
+from log import Log, Record, fence, log_key, read_log
 from objectstore import ObjectStore, StorageUnavailable
 from pieces import Pieces
 from reads import Reads
-from segments import (
-    StreamState,
-)
+from rewrites import Rewrites, join
+from segments import MAX_SEGMENT_BYTES, StreamState, count_within
 from streams import (
     LEGACY_HASHED_PREFIX,
     MAX_FORK_DEPTH,
@@ -120,17 +131,23 @@ class StreamStore:
         self.objects = objects
         self.settings = settings or StoreSettings()
         self.pieces = Pieces(objects, self.settings)
-        self.commits = Commits(self.pieces, writer_locks, self._committed)
+        self.log = Log(objects, self.settings.log_linger)
+        self.rewrites = Rewrites(self.pieces, self.log)
+        self.commits = Commits(self.pieces, writer_locks, self._committed, self.rewrites)
         self.reads = Reads(self.pieces)
         self.waits = Waits(self.pieces)
         self._streams = Handles()
-        self.lifecycle = Lifecycle(objects, self._streams)
+        self.lifecycle = Lifecycle(
+            objects, self._streams, functools.partial(self.rewrites.drop, erased=True)
+        )
         self._building: dict[tuple[str, object], AsyncResult] = {}  # handles being loaded
         self.listeners: list[Callable[[StreamInfo], None]] = []
         self.commit_observers: list[Callable[[int], None]] = []  # appends per group commit
         # Whether this process alone serves a path's stream (members.py): then what it
         # holds is the whole truth, and storage need not be asked what others did.
         self.serves_alone: Callable[[str], bool] = lambda path: False
+        # Asks the member serving a path's stream to rewrite what it holds (forks).
+        self.settle_elsewhere: Callable[[str], None] = lambda path: None
 
     # -- opening, caching, expiry -----------------------------------------------------
 
@@ -308,13 +325,17 @@ class StreamStore:
         for path in [path for path in self._streams.paths() if changed(path)]:
             stream = self._streams.get(path)
             self._streams.discard(path)
-            if stream is not None and moved:
-                stream.move_away()
+            if stream is not None:
+                self.rewrites.drop(stream, erased=False)  # the log keeps its records
+                if moved:
+                    stream.move_away()
 
     def _index(self, stream: Stream) -> None:
         """List the stream's pieces; then retention looks at what it may drop."""
         self.pieces.index(stream)
-        retention.schedule_trim(self.pieces, self.lifecycle.publish_trim, stream)
+        retention.schedule_trim(
+            self.pieces, self.lifecycle.publish_trim, self.rewrites.rewrite, stream
+        )
 
     def _remember(self, path: str, stream: Stream) -> None:
         self._streams.put(path, stream)
@@ -449,7 +470,7 @@ class StreamStore:
             raise StreamConflict(f"fork source {request.fork_source} was deleted") from error
         if source.depth >= MAX_FORK_DEPTH:
             raise InvalidRequest(f"forks of forks go at most {MAX_FORK_DEPTH} deep")
-        self.pieces.refresh(source)
+        self._settle(source)
         offset = source.state.tail if request.fork_offset is None else request.fork_offset
         if offset > source.state.tail:
             raise InvalidRequest("Stream-Fork-Offset is beyond the source's tail")
@@ -482,6 +503,19 @@ class StreamStore:
         )
         return origin, source, inherited
 
+    def _settle(self, source: Stream) -> None:
+        """Have the source's data in its own segments, where a fork reads it: rewrite
+        what this process holds of it, or ask the member that serves it to."""
+        if source.alone:
+            self.rewrites.rewrite(source)
+            return
+        self.settle_elsewhere(source.config.path)
+        self.pieces.refresh(source)
+
+    def settle(self, path: str) -> None:
+        """Rewrite what this process holds of `path`'s stream into its segments now."""
+        self.rewrites.rewrite(self._open(path))
+
     # -- append ----------------------------------------------------------------------------
 
     def append(self, path: str, request: AppendRequest) -> AppendResult:
@@ -495,7 +529,9 @@ class StreamStore:
             observe(appends)
         self._count_handle(stream)
         compaction.maybe_compact(self.pieces, stream)
-        retention.schedule_trim(self.pieces, self.lifecycle.publish_trim, stream)
+        retention.schedule_trim(
+            self.pieces, self.lifecycle.publish_trim, self.rewrites.rewrite, stream
+        )
 
     def _announce(self, info: StreamInfo) -> None:
         """Tell listeners (subscriptions) that a stream was created or grew in this process."""
@@ -618,6 +654,80 @@ class StreamStore:
 
     def delete(self, path: str) -> None:
         self.lifecycle.retire(self._open(path))
+
+    # -- the log of a member gone ------------------------------------------------------------
+
+    def _write_missing(self, stream: Stream, records: list[Record]) -> None:
+        """Write the records past the stream's segments, as segments at its tail.
+        `FileExistsError` if another replay wrote there first."""
+        missing = [record for record in records if record.start >= stream.state.tail]
+        if missing and missing[0].start != stream.state.tail:
+            log.error("log records of %s start at %d, its segments end at %d",
+                      stream.config.path, missing[0].start, stream.state.tail)  # fmt: skip
+            return
+        while missing:
+            taken = count_within((len(record.data) for record in missing), MAX_SEGMENT_BYTES)
+            run, missing = missing[:taken], missing[taken:]
+            data, _ = join(run[0].start, [record.data for record in run], os.urandom(16).hex())
+            self.objects.create(stream.segment_key(run[0].start), data, verified_on_load=True)
+
+    def close(self) -> None:
+        """A clean stop: what the log holds is rewritten, and then the log goes. Whatever
+        is not rewritten in time stays in the log, for the next member to replay."""
+        if self.rewrites.rewrite_all(CLOSE_SECONDS):
+            self.log.drop_everything()
+
+    def replay(self, member: str, fenced: bool = True) -> None:
+        """Make what `member` stored in its log part of its streams' own segments: done
+        before this process serves any stream the member served.
+
+        The log is fenced first (log.py): if the member is alive after all, it can
+        store nothing more, and what it stored is all below the fence. A member whose
+        process is known to be gone needs no fence (`fenced` False), which would stay
+        behind. Then each stream's records not yet in its segments are rewritten, and
+        the log objects go. Replays of one log may run at once and again: each writes
+        at its stream's tail, create-only, and one already there moves the tail on.
+        """
+        below = fence(self.objects, member) if fenced else sys.maxsize
+        seqs, records = read_log(self.objects, member, below)
+        by_stream: dict[tuple[str, str], list[Record]] = {}
+        for record in records:
+            by_stream.setdefault((record.path, record.prefix), []).append(record)
+        for (path, prefix), stream_records in by_stream.items():
+            try:
+                self._replay_stream(path, prefix, stream_records)
+            except StorageUnavailable:
+                raise  # the next claim replays again
+            except StoreError as error:  # a stream that cannot load never stops the rest
+                log.error("replay of %s skipped: %s", path, error)
+            gevent.sleep(0)  # requests go first between streams
+        self.objects.delete_many([log_key(member, seq) for seq in seqs])
+        log.info("replayed %d records of %d streams from member %s", len(records),
+                 len(by_stream), member)  # fmt: skip
+
+    def _replay_stream(self, path: str, prefix: str, records: list[Record]) -> None:
+        for _ in range(REPLAY_ATTEMPTS):
+            try:
+                stream = self._checked_handle(path)
+            except StreamNotFound:
+                return  # deleted since: its records go with it
+            try:
+                if stream.prefix != prefix:
+                    return  # deleted and created again since
+                self.pieces.index(stream)
+                self._write_missing(stream, records)
+                return
+            except FileExistsError:
+                continue  # another replay wrote at that tail: look again
+            except FileNotFoundError:
+                return
+            finally:
+                self._streams.discard(path, stream)  # served here next, it is loaded afresh
+        raise StorageUnavailable(f"replaying {path}: its tail keeps moving; retry")
+
+
+REPLAY_ATTEMPTS = 5
+CLOSE_SECONDS = 10.0  # a stopping process rewrites what it holds for at most this long
 
 
 def _either(value: int | None, default: int | None) -> int | None:

@@ -24,6 +24,7 @@ from urllib.parse import quote
 import gevent
 import orjson
 from gevent.event import AsyncResult
+from gevent.lock import Semaphore
 
 from objectstore import ObjectStore
 from segments import StreamState
@@ -45,6 +46,7 @@ MAX_PRODUCER_ID_BYTES = 256
 MAX_STREAM_SEQ_BYTES = 256
 PRODUCER_ENTRY_BYTES = MAX_PRODUCER_ID_BYTES + 64  # an upper bound, encoded or in memory
 # What a stream handle holds besides its producers: fields, and per piece its start.
+LOGGED = "logged:"  # held pieces' names: never an object's (rewrites.py)
 HANDLE_BYTES = 2048
 PIECE_BYTES = 100
 
@@ -215,6 +217,11 @@ class StoreSettings:
     sweep_interval: float = 0.0  # seconds between sweeps for expired streams; 0: none
     retention_age: int | None = None
     retention_bytes: int | None = None
+    # The member's log (log.py) and its rewrites into segments (rewrites.py).
+    log_linger: float = 0.0  # how long a flush that finds the log idle waits for others
+    rewrite_seconds: float = 30.0  # a stream's records are rewritten once this old...
+    rewrite_bytes: int = 4 * 1024 * 1024  # ...or this large,
+    held_bytes: int = 256 * 1024 * 1024  # and all at once past this much held in all
 
     @property
     def delete_grace(self) -> float:
@@ -328,7 +335,13 @@ class Stream:
     base: int
     source: Stream | None
     starts: list[int] = field(default_factory=list)
+    # Pieces not at their segment's name: packs, and records of the log held in memory.
     keys: dict[int, str] = field(default_factory=dict)
+    # Records in the member's log not yet rewritten into segments (rewrites.py), in
+    # order: start -> (log object number, bytes, when logged: time.monotonic()).
+    logged: dict[int, tuple[int, int, float]] = field(default_factory=dict)
+    logged_bytes: int = 0
+    rewriting: Semaphore = field(default_factory=Semaphore)  # one rewrite at a time
     indexed_at: float = 0.0
     unpacked: int = 0
     housekeeping: bool = False  # compaction or retention is at work (one at a time)
@@ -373,6 +386,10 @@ class Stream:
 
     def trim_key(self, earliest: int) -> str:
         return f"{self.prefix}/trim/{segment_name(earliest)}"
+
+    def logged_key(self, start: int) -> str:
+        """The name a record of the log is held under in memory until it is rewritten."""
+        return f"{LOGGED}{self.prefix}/{segment_name(start)}"
 
     def piece_key(self, start: int) -> str:
         """The object holding the data at `start`: a pack once compacted, else the segment."""
@@ -452,13 +469,52 @@ class Stream:
         self.erased = True
         self.notify()
 
+    def add_logged(self, start: int, seq: int, size: int) -> None:
+        """A commit stored in log object `seq`: its piece is held in memory."""
+        self.logged[start] = (seq, size, time.monotonic())
+        self.logged_bytes += size
+        self.keys[start] = self.logged_key(start)
+        position = bisect.bisect_left(self.starts, start)
+        if position == len(self.starts) or self.starts[position] != start:
+            self.starts.insert(position, start)
+
+    def logged_since(self) -> float:
+        """When the oldest record not yet rewritten was logged (time.monotonic)."""
+        return next(iter(self.logged.values()))[2] if self.logged else float("inf")
+
+    def adopt_rewrite(self, run: list[int]) -> list[int]:
+        """The records at `run` are one segment now, at `run[0]`: swap it in for them.
+        Returns the log objects they came from, once each record."""
+        replaced = set(run[1:])
+        self.starts = [start for start in self.starts if start not in replaced]
+        seqs = []
+        for start in run:
+            seq, size, _ = self.logged.pop(start)
+            self.keys.pop(start, None)
+            self.logged_bytes -= size
+            seqs.append(seq)
+        self.unpacked += 1
+        return seqs
+
+    def drop_logged(self) -> list[str]:
+        """The stream is deleted or served elsewhere now: forget its records (the log
+        keeps them until they are replayed or released). The keys they were held at."""
+        held = [self.keys.pop(start) for start in self.logged]
+        self.logged, self.logged_bytes = {}, 0
+        return held
+
     def adopt_index(
         self, starts: list[int], keys: dict[int, str], state: StreamState, earliest: int
     ) -> None:
-        """A listing's pieces and the state of the last, swapped in at once (pieces.py)."""
+        """A listing's pieces and the state of the last, swapped in at once (pieces.py).
+        Records held in memory stay: no listing shows them."""
+        self.unpacked = len(starts) - len(keys)
+        for start in self.logged:
+            keys[start] = self.logged_key(start)
+            if not starts or starts[-1] < start:
+                starts.append(start)
         self.starts, self.keys = starts, keys
         self.state, self.earliest = state, earliest
-        self.unpacked = len(starts) - len(keys)
         self.indexed_at = time.monotonic()
 
     # -- housekeeping: compaction.py and retention.py, one at a time
@@ -509,7 +565,8 @@ class Handles:
     A handle's size changes as its stream grows (`Stream.footprint`): it is counted
     again after commits (`recount`), so the cache is bounded in bytes as well as in
     handles. Handles with waiters or a writer are never forgotten: another handle of
-    the same stream would not see their commits.
+    the same stream would not see their commits; nor are handles holding records of
+    the log not yet rewritten (rewrites.py): storage does not have them yet.
     """
 
     def __init__(self) -> None:
@@ -555,7 +612,7 @@ class Handles:
     def shrink(self, most_handles: int, most_bytes: int) -> None:
         while len(self._handles) > most_handles or self.size_bytes > most_bytes:
             oldest_path, oldest = next(iter(self._handles.items()))
-            if oldest.waiters or oldest.writing:
+            if oldest.waiters or oldest.writing or oldest.logged:
                 self._handles.move_to_end(oldest_path)
                 return
             self.discard(oldest_path)

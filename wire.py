@@ -1,5 +1,6 @@
 """What PicoMQ's gunicorn worker and its app share: the JSON shape of every refusal,
-and the environ key under which the worker offers its connection.
+and the environ keys under which the worker offers its connection and says a request
+came from another member.
 
 Light on purpose: gunicorn's master imports the worker class, and with it this module,
 never the app (Flask, the store). A master that imported them left their objects to be
@@ -13,6 +14,9 @@ import orjson
 # The server may offer its connection under this key (worker.py): live.py writes SSE
 # events to subscribers at the tail through it, fastpath.py a plain append's answer.
 DIRECT_WRITER_ENVIRON_KEY = "picomq.direct_writer"
+# Set on requests that came to the peer listener (worker.py): sent on by another member
+# (forwarding.py), to be served here. No header a client sends can say so.
+PEER_ENVIRON_KEY = "picomq.from_peer"
 
 
 def error_body(code: str, message: str, details: dict[str, object] | None = None) -> bytes:

@@ -72,7 +72,7 @@ import re
 import socket
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -84,7 +84,7 @@ from gunicorn.workers.ggevent import GeventPyWSGIWorker, PyWSGIHandler, PyWSGISe
 from decimals import DECIMAL_PATTERN
 from settings import Settings
 from wakeups import end_waits
-from wire import DIRECT_WRITER_ENVIRON_KEY, code_of_reason, error_body
+from wire import DIRECT_WRITER_ENVIRON_KEY, PEER_ENVIRON_KEY, code_of_reason, error_body
 
 if TYPE_CHECKING:
     from greenlet import greenlet
@@ -597,6 +597,7 @@ class PicoMQServer(PyWSGIServer):
     """pywsgi's server without its reverse DNS lookup of the bound address at start."""
 
     serving: list[PicoMQServer] = []  # the worker's, one per listening socket
+    peer_address: Any = None  # the peer listener's (PicoMQWorker.patch)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -607,6 +608,8 @@ class PicoMQServer(PyWSGIServer):
         host, port = address[:2] if isinstance(address, tuple) else ("", "")
         self.environ.setdefault("SERVER_NAME", str(host))
         self.environ.setdefault("SERVER_PORT", str(port))
+        if address == self.peer_address:
+            self.environ[PEER_ENVIRON_KEY] = True
 
 
 class PicoMQWorker(GeventPyWSGIWorker):
@@ -614,6 +617,8 @@ class PicoMQWorker(GeventPyWSGIWorker):
 
     server_class = PicoMQServer
     wsgi_handler = PicoMQHandler
+    # Run once every connection has gone, before the process exits (gunicorn.conf.py).
+    before_exit: list[Callable[[], None]]
 
     def patch(self) -> None:
         """gevent's sockets, and one more: the peer listener, where the other workers and
@@ -625,10 +630,12 @@ class PicoMQWorker(GeventPyWSGIWorker):
         peer.bind((settings.peer_host, 0))
         peer.listen(PEER_BACKLOG)
         self.sockets.append(peer)
+        PicoMQServer.peer_address = peer.getsockname()
         self.peer_address = f"{settings.peer_host}:{peer.getsockname()[1]}"
 
     def init_process(self) -> None:
         settings = Settings.from_environment()  # gunicorn.conf.py has checked them
+        self.before_exit = []
         PicoMQHandler.worker = self
         PicoMQHandler.forwarding = Forwarding.from_config(self.cfg)
         PicoMQHandler.gunicorn_access_log = self.log.access_log_enabled
@@ -665,4 +672,9 @@ class PicoMQWorker(GeventPyWSGIWorker):
         for server in PicoMQServer.serving:
             if not server.pool.join(timeout=max(0.0, deadline - time.monotonic())):
                 return
+        for hook in self.before_exit:
+            try:
+                hook()
+            except Exception:  # what is left undone, the next member replays
+                self.log.exception("stopping: %s failed", hook)
         sys.exit(0)  # as gunicorn's quick quit leaves a gevent worker

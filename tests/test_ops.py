@@ -201,19 +201,22 @@ def append_on_new_connection(server: Server, path: str, body: bytes) -> None:
 
 def test_metrics_sum_across_workers(start_server: StartServer, unique_stream: str) -> None:
     server = start_server(workers=2)
-    create(server, unique_stream)
     body = b'{"n":1}'
-    appended = 0
+    appended, streams = 0, 0
     deadline = time.monotonic() + DEADLINE_SECONDS
-    # Append until both workers have served appends (the kernel picks who accepts).
+    # Append to new streams until both workers have served appends: a stream is served
+    # by the worker first asked about its partition, and the kernel picks who accepts.
     while True:
-        for _ in range(10):
-            append_on_new_connection(server, unique_stream, body)
+        path = f"{unique_stream}-{streams}"
+        create(server, path)
+        streams += 1
+        for _ in range(5):
+            append_on_new_connection(server, path, body)
             appended += 1
         workers = {e["pid"] for e in access_log(server) if e["method"] == "POST"}
         if len(workers) == 2:
             break
-        assert time.monotonic() < deadline, "one worker took every connection"
+        assert time.monotonic() < deadline, "one worker served every stream"
 
     for _ in range(5):  # whichever worker answers the scrape, the sums are the same
         samples = scrape(server)

@@ -508,7 +508,7 @@ def test_a_json_fork_is_never_cut_inside_a_message(make_store: MakeStore) -> Non
 def test_a_batch_of_many_large_appends_commits_in_bounded_segments(
     make_store: MakeStore, monkeypatch: pytest.MonkeyPatch, storage_url: str
 ) -> None:
-    monkeypatch.setattr(commits, "MAX_BATCH_BYTES", 1000)
+    monkeypatch.setattr(commits, "MAX_SEGMENT_BYTES", 1000)
     store = make_store()
     store.create("big", CreateRequest(TEXT))
     pieces = [bytes([65 + n]) * 400 for n in range(10)]

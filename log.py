@@ -1,0 +1,317 @@
+"""The member's log: the commits of every stream a process serves, one object per flush.
+
+A member (members.py) commits the batches of all its streams together: each batch
+becomes a *record*, the segment it would have been written as (segments.py), and
+the records that come while one flush is stored form the next. An append is durable,
+and answered, once the log object holding its record exists:
+
+    log/<member>/<seq>          one flush: its records, in order (create-only)
+
+Objects are numbered in order, one flush in flight at a time, and a member never
+writes `seq + 1` before it knows `seq` is stored. That order is the fence: a member
+that takes over another's streams (believing it dead) first creates the next number
+of its log itself (`fence`). Everything the other stored is below it, and its next
+flush, a create at that same number, fails: it learns it was fenced, answers its
+batch 503 and gives up its identity (`on_fenced`). No clock is involved, so a process
+paused past its lease and resumed can acknowledge nothing more.
+
+A member that cannot tell whether a flush was stored (storage failed and keeps
+failing) gives up its identity the same way: its log is then read by whoever serves
+its streams next (`replay` in storage.py), stored flush or not.
+
+Records are rewritten into their streams' own segments in the background
+(rewrites.py); `release` counts them off, and a log object all of whose records are
+rewritten is deleted, except the latest: a fence must find the number it has to take.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import gevent
+import orjson
+from gevent.event import AsyncResult
+
+from objectstore import ObjectStore, StorageUnavailable
+from segments import count_within
+
+log = logging.getLogger("picomq.log")
+
+LOG = "log"
+MAGIC = b"PMQLOG1\n"
+FENCE = b"PMQFENCE\n"
+HEADER = struct.Struct(">I")
+# A flush whose outcome is unknown is tried again this many times before the member
+# gives up its identity.
+FLUSH_ATTEMPTS = 3
+FENCE_ATTEMPTS = 5
+MAX_FLUSH_BYTES = 64 * 1024 * 1024  # a flush holds at most this much, or one record
+FLUSHED_OR_NOT = "the log could not be written; the append may have been stored"
+
+
+class Fenced(StorageUnavailable):
+    """Another member took this member's log over: it serves none of its streams now."""
+
+
+@dataclass(frozen=True)
+class Record:
+    """One batch of one stream: `data` is the segment it is, starting at `start`."""
+
+    path: str
+    prefix: str  # the stream's folder, incarnation included: streams/<key>/<incarnation>
+    start: int
+    data: bytes
+
+
+def log_key(member: str, seq: int) -> str:
+    return f"{LOG}/{member}/{seq:012d}"
+
+
+def encode_log(token: str, records: list[Record]) -> bytes:
+    header = orjson.dumps(
+        {
+            "token": token,
+            "records": [[r.path, r.prefix, r.start, len(r.data)] for r in records],
+        }
+    )
+    return b"".join([MAGIC, HEADER.pack(len(header)), header, *(r.data for r in records)])
+
+
+def decode_log(data: bytes) -> tuple[str, list[Record]]:
+    """The token and records of a log object; a fence holds none. ValueError if torn."""
+    if data.startswith(FENCE):
+        return "", []
+    if not data.startswith(MAGIC) or len(data) < len(MAGIC) + HEADER.size:
+        raise ValueError("not a log object")
+    (length,) = HEADER.unpack_from(data, len(MAGIC))
+    position = len(MAGIC) + HEADER.size
+    header = orjson.loads(data[position : position + length])
+    position += length
+    records = []
+    for path, prefix, start, size in header["records"]:
+        if position + size > len(data):
+            raise ValueError("log object shorter than its header says")
+        records.append(Record(path, prefix, start, data[position : position + size]))
+        position += size
+    return header["token"], records
+
+
+class Log:
+    """This member's log writer: one flush in flight, each one object.
+
+    Off (`member` None) until the process serves as a member: then the streams it
+    serves alone commit through it (commits.py).
+    """
+
+    def __init__(self, objects: ObjectStore, linger: float) -> None:
+        """`linger`: how long a flush that finds the log idle waits for company."""
+        self.objects = objects
+        self.linger = linger
+        self.member: str | None = None
+        self.seq = 0  # the last object stored
+        self.waiting: list[tuple[Record, AsyncResult]] = []
+        self.flushing = False
+        self.unreleased: dict[int, int] = {}  # seq -> its records not yet rewritten
+        self.on_fenced: list[Callable[[], None]] = []
+        self._collecting = False
+
+    @property
+    def active(self) -> bool:
+        return self.member is not None
+
+    def begin(self, member: str) -> None:
+        """Write as `member` from now on, from its first number."""
+        self.member, self.seq, self.unreleased = member, 0, {}
+
+    def write(self, record: Record) -> int:
+        """Store `record` with the next flush; the number of the object that holds it.
+
+        Raises Fenced, or StorageUnavailable when the flush failed (then whether it
+        was stored is unknown, and the member has given up its identity).
+        """
+        if self.member is None:
+            raise Fenced("this process serves no streams now; retry")
+        done = AsyncResult()
+        self.waiting.append((record, done))
+        if not self.flushing:
+            self.flushing = True
+            self._flush_and_hand_on(first=True)
+        return done.get()
+
+    def _flush_and_hand_on(self, *, first: bool = False) -> None:
+        try:
+            if first and self.linger:
+                gevent.sleep(self.linger)  # let the other streams' commits join
+            self._flush()
+        finally:
+            if self.waiting:
+                gevent.spawn(self._flush_and_hand_on)
+            else:
+                self.flushing = False
+
+    def _flush(self) -> None:
+        taken = count_within((len(record.data) for record, _ in self.waiting), MAX_FLUSH_BYTES)
+        batch, self.waiting = self.waiting[:taken], self.waiting[taken:]
+        member = self.member
+        if member is None:
+            _fail(batch, Fenced("this process serves no streams now; retry"))
+            return
+        seq = self.seq + 1
+        token = os.urandom(16).hex()
+        try:
+            self._store(member, seq, encode_log(token, [record for record, _ in batch]), token)
+        except Exception as error:
+            _fail(batch, error)
+            return
+        except BaseException:
+            _fail(batch, StorageUnavailable(FLUSHED_OR_NOT))
+            self._give_up(member)
+            raise
+        self.seq = seq
+        self.unreleased[seq] = len(batch)
+        for _, done in batch:
+            done.set(seq)
+
+    def _store(self, member: str, seq: int, data: bytes, token: str) -> None:
+        """Create log object `seq`, learning whether a failed try stored it after all."""
+        key = log_key(member, seq)
+        for attempt in range(FLUSH_ATTEMPTS):
+            try:
+                self.objects.create(key, data, verified_on_load=True)
+                return
+            except FileExistsError:
+                if self._stored_token(key) == token:
+                    return  # an earlier try of ours landed; only its answer was lost
+                log.warning("member %s was fenced at %s: another member took over", member, key)
+                self._give_up(member)
+                raise Fenced("another process serves these streams now; retry") from None
+            except StorageUnavailable as error:
+                if attempt + 1 == FLUSH_ATTEMPTS:
+                    log.warning("member %s gives up: %s may or may not be stored", member, key)
+                    self._give_up(member)
+                    raise StorageUnavailable(FLUSHED_OR_NOT) from error
+                gevent.sleep(0.05 * 2**attempt)
+
+    def _stored_token(self, key: str) -> str | None:
+        try:
+            return decode_log(self.objects.read(key))[0]
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def give_up(self) -> None:
+        """Stop writing: storage says another member has this member's streams now."""
+        if self.member is not None:
+            self._give_up(self.member)
+
+    def _give_up(self, member: str) -> None:
+        """Stop writing as `member`: whoever serves its streams next replays its log."""
+        if self.member != member:
+            return
+        self.member = None
+        waiting, self.waiting = self.waiting, []
+        _fail(waiting, Fenced("this process serves no streams now; retry"))
+        for fenced in self.on_fenced:
+            fenced()
+
+    def is_fenced(self) -> bool:
+        """Whether another member has fenced our log since our last flush (one request).
+
+        A member that let its lease lapse asks before serving again, so that a fence
+        is found before a client's append would be."""
+        if self.member is None:
+            return True
+        if not self.objects.exists(log_key(self.member, self.seq + 1)):
+            return False
+        self._give_up(self.member)
+        return True
+
+    # -- what rewrites free --------------------------------------------------------
+
+    def release(self, seqs: list[int]) -> None:
+        """Records of these objects are rewritten (or their stream deleted): objects left
+        with none are deleted, in the background."""
+        for seq in seqs:
+            left = self.unreleased.get(seq)
+            if left is not None:
+                self.unreleased[seq] = left - 1
+        if not self._collecting and any(
+            left <= 0 and seq < self.seq for seq, left in self.unreleased.items()
+        ):
+            self._collecting = True
+            gevent.spawn(self._collect)
+
+    def _collect(self) -> None:
+        try:
+            member = self.member
+            done = [seq for seq, left in self.unreleased.items() if left <= 0 and seq < self.seq]
+            if member is None or not done:
+                return
+            try:
+                self.objects.delete_many([log_key(member, seq) for seq in done])
+            except StorageUnavailable as error:  # the next release tries again
+                log.warning("could not delete %d log objects: %s", len(done), error)
+                return
+            for seq in done:
+                self.unreleased.pop(seq, None)
+        finally:
+            self._collecting = False
+
+    def drop_everything(self) -> None:
+        """On a clean stop, once every record is rewritten: the whole log goes."""
+        member = self.member
+        if member is None or any(left > 0 for left in self.unreleased.values()):
+            return
+        self.objects.delete_many([log_key(member, seq) for seq in self.unreleased])
+        self.unreleased = {}
+
+
+def fence(objects: ObjectStore, member: str) -> int:
+    """Take the next number of `member`'s log, so that it can store nothing more; the
+    number taken: every object below it is the whole of what it stored."""
+    for _ in range(FENCE_ATTEMPTS):
+        seqs = _numbers(objects, member)
+        seq = max(seqs, default=0) + 1
+        try:
+            objects.create(log_key(member, seq), FENCE)
+            return seq
+        except FileExistsError:  # it flushed meanwhile: it is not dead after all, or was
+            continue
+    raise StorageUnavailable(f"member {member} keeps writing its log; is it alive?")
+
+
+def read_log(objects: ObjectStore, member: str, below: int) -> tuple[list[int], list[Record]]:
+    """What `member` stored below number `below` (its fence): the numbers of its log
+    objects, and their records in order.
+
+    Only a flush never acknowledged can be torn (the last one stored before a crash,
+    whose sync did not return): such an object is skipped. Fences are not counted:
+    they must stay while the member they fence may still try to write.
+    """
+    seqs, records = [], []
+    for seq in sorted(s for s in _numbers(objects, member) if s < below):
+        try:
+            data = objects.read(log_key(member, seq))
+        except FileNotFoundError:
+            continue  # deleted by another replay, or by the member once rewritten
+        if data.startswith(FENCE):
+            continue
+        seqs.append(seq)
+        try:
+            records += decode_log(data)[1]
+        except ValueError as error:
+            log.warning("skipping torn log object %s: %s", log_key(member, seq), error)
+    return seqs, records
+
+
+def _numbers(objects: ObjectStore, member: str) -> list[int]:
+    return [int(name) for name in objects.list(f"{LOG}/{member}") if name.isdigit()]
+
+
+def _fail(batch: list[tuple[Record, AsyncResult]], error: BaseException) -> None:
+    for _, done in batch:
+        if not done.ready():
+            done.set_exception(error)

@@ -1,0 +1,177 @@
+"""The member's log, called directly: commits through it, rewrites, replays and fences.
+
+Each store stands for one member of a cluster on the test's root (local disk, and a
+fresh bucket on moto), serving every stream alone, as a gunicorn worker that owns their
+partitions does. A second store is a second member: it knows only what storage says.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import fsspec
+import pytest
+
+from log import Fenced, log_key
+from objectstore import ObjectStore, StorageUnavailable
+from storage import StreamStore, open_objects
+from streams import AppendRequest, CreateRequest, Payload, Producer, StoreSettings
+
+TEXT = "text/plain"
+
+MakeMember = Callable[..., StreamStore]
+
+
+@pytest.fixture
+def make_member(storage_url: str) -> Iterator[MakeMember]:
+    made: list[StreamStore] = []
+
+    def make(member: str, objects: ObjectStore | None = None) -> StreamStore:
+        fsspec.AbstractFileSystem.clear_instance_cache()
+        for implementation in fsspec.registry.values():
+            implementation.clear_instance_cache()
+        store = StreamStore(objects or open_objects(storage_url), StoreSettings())
+        store.serves_alone = lambda path: True
+        store.log.begin(member)
+        made.append(store)
+        return store
+
+    yield make
+    for store in made:  # no rewrite of this test's stores runs into the next test
+        if store.rewrites.worker is not None:
+            store.rewrites.worker.kill()
+
+
+def append(store: StreamStore, path: str, data: bytes, seq: int | None = None) -> None:
+    producer = Producer("p", 0, seq) if seq is not None else None
+    store.append(path, AppendRequest(TEXT, Payload(data), producer=producer))
+
+
+def read_all(store: StreamStore, path: str) -> bytes:
+    result = store.read(path, None)
+    data = b"".join(result.chunks)
+    while result.end < result.info.tail:
+        result = store.read(path, result.end)
+        data += b"".join(result.chunks)
+    return data
+
+
+def names(objects: ObjectStore, prefix: str) -> list[str]:
+    return sorted(objects.list(prefix))
+
+
+def test_commits_are_read_from_memory_until_rewritten_into_segments(
+    make_member: MakeMember,
+) -> None:
+    store = make_member("m1")
+    store.create("s", CreateRequest(TEXT))
+    for number in range(3):
+        append(store, "s", b"%d;" % number)
+    prefix = store._open("s").prefix
+    assert names(store.objects, f"{prefix}/seg") == []
+    assert len(names(store.objects, "log/m1")) == 3
+    assert read_all(store, "s") == b"0;1;2;"
+
+    assert store.rewrites.rewrite_all(10)
+    assert len(names(store.objects, f"{prefix}/seg")) == 1  # three commits, one segment
+    assert read_all(store, "s") == b"0;1;2;"
+    assert read_all(make_member("other"), "s") == b"0;1;2;"
+    store.log._collect()
+    assert names(store.objects, "log/m1") == ["000000000003"]  # the latest stays: the fence
+
+
+def test_a_dead_members_commits_are_replayed_once(make_member: MakeMember) -> None:
+    first = make_member("m1")
+    first.create("s", CreateRequest(TEXT))
+    append(first, "s", b"a;")
+    first.rewrites.rewrite_all(10)
+    for number in range(3):
+        append(first, "s", b"%d;" % number, seq=number)
+
+    second = make_member("m2")
+    second.replay("m1")
+    second.replay("m1")  # twice, as two members taking partitions at once may
+    assert read_all(second, "s") == b"a;0;1;2;"
+    assert read_all(make_member("m3"), "s") == b"a;0;1;2;"
+    # The producer state came with the data: a retry is a duplicate, the next is in order.
+    append(second, "s", b"2;", seq=2)
+    append(second, "s", b"3;", seq=3)
+    assert read_all(second, "s") == b"a;0;1;2;3;"
+
+
+def test_a_fenced_member_acknowledges_nothing_more(make_member: MakeMember) -> None:
+    first = make_member("m1")
+    given_up: list[bool] = []
+    first.log.on_fenced.append(lambda: given_up.append(True))
+    first.create("s", CreateRequest(TEXT))
+    append(first, "s", b"before;")
+
+    second = make_member("m2")
+    second.replay("m1")  # believes m1 dead: fences its log, then replays it
+    with pytest.raises(Fenced):
+        append(first, "s", b"after;")
+    assert given_up == [True]
+    assert not first.log.active
+    append(second, "s", b"second;")
+    assert read_all(second, "s") == b"before;second;"
+
+
+def test_a_replay_cut_short_is_finished_by_the_next(
+    make_member: MakeMember, storage_url: str
+) -> None:
+    first = make_member("m1")
+    for path in ("a", "b", "c"):
+        first.create(path, CreateRequest(TEXT))
+        append(first, path, path.encode() + b"1;")
+        append(first, path, path.encode() + b"2;")
+
+    class FailingAfter(type(open_objects(storage_url))):  # type: ignore[misc]
+        creates = 0
+
+        def create(self, key: str, data: bytes, **options: object) -> None:
+            if "/seg/" in key:
+                FailingAfter.creates += 1
+                if FailingAfter.creates > 1:
+                    raise StorageUnavailable("the node died here")
+            super().create(key, data, **options)
+
+    failing = make_member("m2", FailingAfter(*_arguments(storage_url)))
+    with pytest.raises(StorageUnavailable):
+        failing.replay("m1")
+    assert len(names(failing.objects, "log/m1")) > 0  # kept: not every record is in
+
+    make_member("m3").replay("m1")
+    reader = make_member("m4")
+    for path in ("a", "b", "c"):
+        assert read_all(reader, path) == path.encode() + b"1;" + path.encode() + b"2;"
+    assert [name for name in names(reader.objects, "log/m1")] == ["000000000007", "000000000008"]
+
+
+def _arguments(storage_url: str) -> tuple[str, ...]:
+    """What `open_objects` gives its backend's class for `storage_url`."""
+    objects = open_objects(storage_url)
+    return (objects.root,) if objects.is_local else (storage_url,)
+
+
+def test_a_deleted_streams_commits_are_not_replayed(make_member: MakeMember) -> None:
+    first = make_member("m1")
+    first.create("s", CreateRequest(TEXT))
+    append(first, "s", b"old;")
+    first.delete("s")
+    first.create("s", CreateRequest(TEXT))
+    append(first, "s", b"new;")
+    second = make_member("m2")
+    second.replay("m1")
+    assert read_all(second, "s") == b"new;"
+
+
+def test_the_log_object_a_fence_must_find_is_never_deleted(make_member: MakeMember) -> None:
+    store = make_member("m1")
+    store.create("s", CreateRequest(TEXT))
+    append(store, "s", b"x;")
+    store.rewrites.rewrite_all(10)
+    store.log._collect()
+    assert names(store.objects, "log/m1") == [log_key("m1", 1).rpartition("/")[2]]
+    make_member("m2").replay("m1")  # fences at 2, above the one kept
+    with pytest.raises(Fenced):
+        append(store, "s", b"y;")
