@@ -1,5 +1,6 @@
 """The Durable Streams server conformance suite (npm, run by vitest) against a real PicoMQ,
-on local disk and on S3 (a fresh bucket on moto_server).
+on local disk and on S3 (a fresh bucket on moto_server); and against several processes
+that must answer as one: several workers of one node, two nodes behind nginx.
 
 Needs node and npm; installs the pinned suite with `npm ci` when node_modules is missing or
 older than package-lock.json. Deselect with `-m "not conformance"`.
@@ -18,7 +19,7 @@ import pytest
 from node_tools import npm_ci, require_node_and_npm
 
 if TYPE_CHECKING:
-    from conftest import StartServer
+    from conftest import S3Storage, StartNginx, StartServer
 
 CONFORMANCE_DIR = Path(__file__).resolve().parent / "conformance"
 EXPECTED_PASSED = 338  # every test of suite 0.3.6, the 6 subscription tests included
@@ -28,6 +29,9 @@ VITEST_TIMEOUT_SECONDS = 600
 # tests' hundreds of sequential requests took 4.2-5.0 s on a slower machine (2 x AMD
 # EPYC, 2026-12-03), and timed out there on code that passed elsewhere: more time on S3.
 S3_TEST_TIMEOUT_MS = 15_000
+# Through nginx to two nodes, whose caches each catch up on the other's writes, the
+# property-based tests took up to 27 s on 2 loaded cores (2026-12-06), answering right.
+SEVERAL_ON_S3_TEST_TIMEOUT_MS = 60_000
 MESSAGE_CHARS = 400
 MAX_FAILURES_LISTED = 60
 OUTPUT_TAIL_CHARS = 4000
@@ -97,11 +101,6 @@ WEBHOOKS_TO_LOOPBACK = {"PICOMQ_WEBHOOK_ALLOWED_NETWORKS": "127.0.0.1/32"}
 def test_conformance_suite(
     backend: str, start_server: StartServer, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    require_node_and_npm(
-        "install Node.js 18 or newer with npm "
-        "(Debian: apt-get install nodejs npm) to run the conformance suite"
-    )
-    npm_ci(CONFORMANCE_DIR)
     if backend == "s3":  # a fresh bucket on the session's moto_server
         storage = request.getfixturevalue("s3_storage")
         server = start_server(
@@ -115,10 +114,83 @@ def test_conformance_suite(
         )
     else:
         server = start_server(long_poll_timeout=LONG_POLL_TIMEOUT, env=WEBHOOKS_TO_LOOPBACK)
-    report_path = tmp_path / "vitest-report.json"
-
     test_timeout_ms = S3_TEST_TIMEOUT_MS if backend == "s3" else None
-    returncode, output = run_vitest(server.url, report_path, test_timeout_ms)
+    assert_suite_passes(server.url, tmp_path, test_timeout_ms)
+
+
+# Several processes that must answer as one. Today each serves from a view of the store
+# it keeps, and a request that reaches a process whose view is stale fails. Passed of 338
+# on 2026-12-06: two nodes on S3 321 (314 with a 15 s test timeout: 3 property-based
+# tests timed out), failing deletes and soft deletes seen late, forks' GC, sliding TTL
+# and subscriptions; two workers on S3 324 to 329, the same and long-polls not woken;
+# workers on local disk 335 or 338, subscriptions only (1 run in 5 failed with 2
+# workers, 4 in 5 with 4). tests/test_deploy.py shows nginx alternates.
+ISSUE_33 = pytest.mark.xfail(
+    strict=True, reason="issue 33: processes on one bucket do not answer as one yet"
+)
+# Not strict: on local disk which worker takes which request decides, and some runs pass.
+ISSUE_34 = pytest.mark.xfail(
+    strict=False, reason="issue 34: workers on one disk do not answer as one yet"
+)
+
+
+@pytest.mark.conformance
+@pytest.mark.parametrize(
+    "backend, workers",
+    [
+        pytest.param("s3", 2, marks=ISSUE_33, id="s3-2-workers"),
+        pytest.param("local", 2, marks=ISSUE_34, id="local-2-workers"),
+        pytest.param("local", 4, marks=ISSUE_34, id="local-4-workers"),
+    ],
+)
+def test_conformance_suite_on_several_workers(
+    backend: str,
+    workers: int,
+    start_server: StartServer,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+) -> None:
+    if backend == "s3":
+        storage = request.getfixturevalue("s3_storage")
+        storage_url, env = storage.url, {**storage.env, **WEBHOOKS_TO_LOOPBACK}
+    else:
+        storage_url, env = None, WEBHOOKS_TO_LOOPBACK
+    server = start_server(
+        long_poll_timeout=LONG_POLL_TIMEOUT, storage_url=storage_url, workers=workers, env=env
+    )
+    test_timeout_ms = SEVERAL_ON_S3_TEST_TIMEOUT_MS if backend == "s3" else None
+    assert_suite_passes(server.url, tmp_path, test_timeout_ms)
+
+
+@pytest.mark.conformance
+@ISSUE_33
+def test_conformance_suite_on_two_nodes_taking_turns(
+    start_server: StartServer, start_nginx: StartNginx, s3_storage: S3Storage, tmp_path: Path
+) -> None:
+    """Two nodes on one bucket behind nginx, which sends each request to the next node
+    (test_deploy.py shows it does, also on one client connection)."""
+    nodes = [
+        start_server(
+            long_poll_timeout=LONG_POLL_TIMEOUT,
+            storage_url=s3_storage.url,
+            env={**s3_storage.env, **WEBHOOKS_TO_LOOPBACK},
+        )
+        for _ in range(2)
+    ]
+    nginx = start_nginx(nodes)
+    assert_suite_passes(nginx.url, tmp_path, SEVERAL_ON_S3_TEST_TIMEOUT_MS)
+
+
+def assert_suite_passes(base_url: str, tmp_path: Path, test_timeout_ms: int | None) -> None:
+    """Run the suite against base_url; fail listing the tests that failed unless every one
+    of EXPECTED_PASSED passed. vitest's output and report are left in tmp_path."""
+    require_node_and_npm(
+        "install Node.js 18 or newer with npm "
+        "(Debian: apt-get install nodejs npm) to run the conformance suite"
+    )
+    npm_ci(CONFORMANCE_DIR)
+    report_path = tmp_path / "vitest-report.json"
+    returncode, output = run_vitest(base_url, report_path, test_timeout_ms)
     output_path = tmp_path / "vitest-output.txt"
     output_path.write_text(output)
     print(output[-OUTPUT_TAIL_CHARS:])  # vitest's summary, shown by pytest on failure
