@@ -13,10 +13,11 @@ Retry-After. An owner that no longer owns the partition answers 421, and the cla
 are read again once.
 
 Requests that come to the peer listener (worker.py marks them; no header a client
-sends can) are served only by the owner, never sent on again. One more request goes
-between members: before a fork is made, the member making it asks the source's owner
-to rewrite what it holds of the source into its segments (`settle`), where the fork
-will read it.
+sends can) are served only by the owner, never sent on again. Members also ask an
+owner to act on a stream it serves (`ask`): before a fork is made, to rewrite what it
+holds of the source into its segments, where the fork will read it ("settle"); after
+a fork's delete erased its soft-deleted source, to look at storage again ("recheck"),
+for an owner trusts what it holds of its streams.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ from wire import PEER_ENVIRON_KEY, error_body
 
 log = logging.getLogger("picomq.forwarding")
 
-SETTLE_HEADER = "X-PicoMQ-Settle"
-SETTLE_KEY = "HTTP_X_PICOMQ_SETTLE"
+ASK_HEADER = "X-PicoMQ-Ask"  # honoured on the peer listener only
+ASK_KEY = "HTTP_X_PICOMQ_ASK"
 MISDIRECTED = 421
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 QUICK_LEASES = 2  # an answer that is no live read comes within this many leases
@@ -63,11 +64,11 @@ class Forwarder:
         membership: Membership,
         max_body_bytes: int,
         live_seconds: float,
-        settle_here: Callable[[str], None],
+        asked: dict[str, Callable[[str], None]],
     ) -> None:
-        """`settle_here(path)` rewrites what this process holds of a stream it serves."""
+        """`asked[action](path)` does what another member asks of a stream served here."""
         self.membership = membership
-        self.settle_here = settle_here
+        self.asked = asked
         self.max_body_bytes = max_body_bytes
         self.live_timeout = urllib3.Timeout(
             connect=CONNECT_SECONDS, read=live_seconds + READ_MARGIN_SECONDS
@@ -94,43 +95,47 @@ class Forwarder:
             return unavailable(start_response, f"who serves this stream is unknown: {error}")
         from_peer = environ.get(PEER_ENVIRON_KEY, False)
         if owner is None:
-            if from_peer and SETTLE_KEY in environ:
-                return self._settle_here(path, start_response)
+            if from_peer and ASK_KEY in environ:
+                return self._do_asked(environ[ASK_KEY], path, start_response)
             return None
         if from_peer:  # the member that sent it thinks we serve it: it looks again
             return answer_empty(start_response, "421 Misdirected Request")
         return self.forward(environ, start_response, path, owner)
 
-    def _settle_here(self, path: str, start_response: Callable) -> list[bytes]:
+    def _do_asked(self, action: str, path: str, start_response: Callable) -> list[bytes]:
+        do = self.asked.get(action)
+        if do is None:
+            return answer_empty(start_response, "400 Bad Request")
         try:
-            self.settle_here(path)
+            do(path)
         except StorageUnavailable as error:
-            return unavailable(start_response, f"could not rewrite the stream: {error}")
+            return unavailable(start_response, f"could not {action} the stream: {error}")
         except StoreError:
-            pass  # gone, or never there: the fork's own look says so
+            pass  # gone, or never there: the asker's own look says so
         return answer_empty(start_response, "204 No Content")
 
-    def settle(self, path: str) -> None:
-        """Have the member serving `path`'s stream rewrite what it holds of it (a fork is
-        being made of it). Raises StorageUnavailable if that cannot be done now."""
+    def ask(self, path: str, action: str) -> None:
+        """Have the member serving `path`'s stream do `action` (a key of `asked`) to it,
+        here if this process serves it. Raises StorageUnavailable if that cannot be
+        done now."""
         for _ in range(2):
             owner = self.membership.owner_for(path)
             if owner is None:
-                self.settle_here(path)
+                self.asked[action](path)
                 return
             environ = {"REQUEST_METHOD": "POST", "PATH_INFO": f"{STREAM_PREFIX}{path}"}
             try:
-                answer = self._send(environ, b"", owner, {SETTLE_HEADER: "1"})
+                answer = self._send(environ, b"", owner, {ASK_HEADER: action})
             except urllib3.exceptions.HTTPError as error:
-                raise StorageUnavailable(f"the source's server is unreachable: {error}") from None
+                raise StorageUnavailable(f"the stream's server is unreachable: {error}") from None
             answer.drain_conn()
             answer.release_conn()
             if answer.status == 204:
                 return
             if answer.status != MISDIRECTED:
-                raise StorageUnavailable(f"the source's server answered {answer.status}")
+                raise StorageUnavailable(f"the stream's server answered {answer.status}")
             self.membership.forget_owner(path)
-        raise StorageUnavailable("the source's server keeps moving; retry")
+        raise StorageUnavailable("the stream's server keeps moving; retry")
 
     def forward(
         self, environ: dict, start_response: Callable, path: str, owner: Owner

@@ -269,8 +269,9 @@ def serve_as_member(
     # Beat while live reads wait or the log holds commits not yet rewritten.
     membership.busy = lambda: views.live_connections.busy() or bool(store.rewrites.holding)
     live_seconds = max(settings.long_poll_timeout, settings.sse_max_duration)
-    forwarder = Forwarder(membership, settings.max_request_bytes, live_seconds, store.settle)
-    store.settle_elsewhere = forwarder.settle
+    asked = {"settle": store.settle, "recheck": store.recheck}
+    forwarder = Forwarder(membership, settings.max_request_bytes, live_seconds, asked)
+    store.ask_owner = forwarder.ask
     return forwarder
 
 

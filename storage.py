@@ -42,7 +42,6 @@ segments into packs, retention.py trims streams that keep data by age or size.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import sys
@@ -137,17 +136,16 @@ class StreamStore:
         self.reads = Reads(self.pieces)
         self.waits = Waits(self.pieces)
         self._streams = Handles()
-        self.lifecycle = Lifecycle(
-            objects, self._streams, functools.partial(self.rewrites.drop, erased=True)
-        )
+        self.lifecycle = Lifecycle(objects, self._streams, self._erased)
         self._building: dict[tuple[str, object], AsyncResult] = {}  # handles being loaded
         self.listeners: list[Callable[[StreamInfo], None]] = []
         self.commit_observers: list[Callable[[int], None]] = []  # appends per group commit
         # Whether this process alone serves a path's stream (members.py): then what it
         # holds is the whole truth, and storage need not be asked what others did.
         self.serves_alone: Callable[[str], bool] = lambda path: False
-        # Asks the member serving a path's stream to rewrite what it holds (forks).
-        self.settle_elsewhere: Callable[[str], None] = lambda path: None
+        # Asks the member serving a path's stream to "settle" (rewrite what it holds,
+        # before a fork) or "recheck" it (look at storage again, after an erase here).
+        self.ask_owner: Callable[[str, str], None] = lambda path, action: None
 
     # -- opening, caching, expiry -----------------------------------------------------
 
@@ -509,12 +507,34 @@ class StreamStore:
         if source.alone:
             self.rewrites.rewrite(source)
             return
-        self.settle_elsewhere(source.config.path)
+        self.ask_owner(source.config.path, "settle")
         self.pieces.refresh(source)
 
     def settle(self, path: str) -> None:
         """Rewrite what this process holds of `path`'s stream into its segments now."""
         self.rewrites.rewrite(self._open(path))
+
+    def recheck(self, path: str) -> None:
+        """Another member erased `path`'s stream, which this process serves (the last
+        fork of a soft-deleted source went there): drop the handle if its meta.json is
+        gone, so the next request finds the stream gone too."""
+        stream = self._streams.get(path)
+        if stream is None or self.lifecycle.created_by(stream.key, stream.config.incarnation):
+            return
+        self._streams.discard(path)
+        self._erased(stream)
+        stream.end_waits()
+
+    def _erased(self, stream: Stream) -> None:
+        """After an erase: held records go; a member serving the stream is told."""
+        self.rewrites.drop(stream, erased=True)
+        if not stream.alone:
+            try:
+                self.ask_owner(stream.config.path, "recheck")
+            except StorageUnavailable as error:  # it answers from what it holds until restart
+                log.warning(
+                    "could not tell %s's server it was erased: %s", stream.config.path, error
+                )
 
     # -- append ----------------------------------------------------------------------------
 

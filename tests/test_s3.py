@@ -38,6 +38,8 @@ import requests
 from conftest import ManagedProcess, create_bucket, s3_environment, segment_put_records
 from faultproxy import FaultProxy, Record
 
+from members import partition_of
+
 if TYPE_CHECKING:
     from collections.abc import Callable
     from pathlib import Path
@@ -370,6 +372,34 @@ def test_long_poll_on_one_node_sees_an_append_through_another(
         f" max {delays[-1]:.3f}; all: {[round(delay, 3) for delay in delays]}"
         " (design bound: PICOMQ_POLL_INTERVAL, 1 s on S3)"
     )
+
+
+def test_a_source_erased_with_its_last_fork_on_another_node_is_gone_on_both(
+    s3_storage: S3Storage, start_server: StartServer, unique_stream: str
+) -> None:
+    """The node serving a soft-deleted source answers from what it holds; when the
+    source's last fork is deleted on another node, which erases the source, that node
+    tells it, so neither answers 410 for a stream that is no longer there."""
+    source_node, fork_node = (
+        start_server(storage_url=s3_storage.url, env=s3_storage.env, workers=1) for _ in range(2)
+    )
+    fork = next(
+        f"{unique_stream}-fork{n}"
+        for n in range(100)
+        if partition_of(f"{unique_stream}-fork{n}") != partition_of(unique_stream)
+    )
+    create_stream(source_node, unique_stream, body=b'{"n":0}')  # its member serves it
+    response = requests.put(
+        fork_node.stream_url(fork),
+        headers={"Stream-Forked-From": unique_stream},
+        timeout=REQUEST_TIMEOUT_SECONDS,
+    )
+    assert response.status_code == 201, response.text
+    assert requests.delete(source_node.stream_url(unique_stream), timeout=10).status_code == 204
+    assert requests.get(source_node.stream_url(unique_stream), timeout=10).status_code == 410
+    assert requests.delete(fork_node.stream_url(fork), timeout=10).status_code == 204
+    for node in (source_node, fork_node):
+        assert requests.get(node.stream_url(unique_stream), timeout=10).status_code == 404
 
 
 # -- (c) storage outages ------------------------------------------------------------------------
