@@ -170,11 +170,7 @@ class Commits:
             stream.notify()
             self.committed(stream, len(batch))
             break
-        for pending, outcome in zip(batch, plan.outcomes, strict=True):
-            if isinstance(outcome, StoreError):
-                pending.result.set_exception(outcome)
-            else:
-                pending.result.set(outcome)
+        _answer(batch, plan)
 
     def _write_segment(self, stream: Stream, plan: Plan) -> None:
         """Create the segment at the tail; `FileExistsError` if another writer won."""
@@ -323,6 +319,22 @@ def _take_batch(pending: list[Pending]) -> tuple[list[Pending], list[Pending]]:
     return pending, []
 
 
+def _answer(batch: list[Pending], plan: Plan) -> None:
+    """Answer each append of a batch that is durable (or wrote nothing).
+
+    A 412 names the tail the whole batch left, not the one it was checked at: appends
+    after it in the batch landed too, and a writer that retried from the older tail
+    would only meet another 412.
+    """
+    for pending, outcome in zip(batch, plan.outcomes, strict=True):
+        if isinstance(outcome, PreconditionFailed):
+            outcome = PreconditionFailed(plan.state.tail, plan.state.closed)
+        if isinstance(outcome, StoreError):
+            pending.result.set_exception(outcome)
+        else:
+            pending.result.set(outcome)
+
+
 def _fail_unanswered(batch: list[Pending], error: Exception) -> None:
     for pending in batch:
         if not pending.result.ready():
@@ -370,8 +382,8 @@ def _check_if_match(state: StreamState, request: AppendRequest) -> None:
     two writers that saw one tail both append).
 
     InvalidRequest with producer headers (a producer's retry succeeds, a conditional
-    append's fails: the pull request refuses the mix); PreconditionFailed, with the tail,
-    when it names another.
+    append's fails: the pull request refuses the mix); PreconditionFailed when it names
+    another tail (`_answer` gives it the tail the batch leaves).
     """
     if request.producer is not None:
         raise InvalidRequest("If-Match cannot be used with Producer-Id, -Epoch and -Seq")

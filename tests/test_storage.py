@@ -544,9 +544,10 @@ def test_close_is_final_and_idempotent(make_store: MakeStore) -> None:
 def test_a_conditional_append_is_checked_against_the_tail_its_batch_planned(
     make_store: MakeStore,
 ) -> None:
-    """Two appends naming one tail wait behind a commit and form one batch: the first
-    lands, the second fails at the tail the first planned, though neither was written
-    yet when the batch was checked."""
+    """Two appends naming one tail wait behind a commit and form one batch with a plain
+    one: the first lands, the second fails at the tail the first planned, though neither
+    was written yet when the batch was checked, and its 412 names the tail the whole
+    batch left (the current one when it is answered), not the one it was checked at."""
     store = make_store()
     store.create("log", CreateRequest(TEXT))
     handle, create = store._streams["log"], store.objects.create
@@ -566,18 +567,21 @@ def test_a_conditional_append_is_checked_against_the_tail_its_batch_planned(
         gevent.spawn(append_text, store, "log", data, if_match=named)
         for data in (b"second;", b"third;")
     )
+    fourth = gevent.spawn(append_text, store, "log", b"fourth;")
     deadline = time.monotonic() + WAIT_TIMEOUT_SECONDS
-    while len(handle.pending) < 2:
+    while len(handle.pending) < 3:
         assert time.monotonic() < deadline, "the conditional appends never queued"
         gevent.sleep(0.01)
     release.set()
     assert first.get(timeout=WAIT_TIMEOUT_SECONDS).info.tail == named
     assert second.get(timeout=WAIT_TIMEOUT_SECONDS).info.tail == len(b"first;second;")
+    stored = b"first;second;fourth;"
+    assert fourth.get(timeout=WAIT_TIMEOUT_SECONDS).info.tail == len(stored)
     with pytest.raises(PreconditionFailed) as failed:
         third.get(timeout=WAIT_TIMEOUT_SECONDS)
-    assert (failed.value.tail, failed.value.closed) == (len(b"first;second;"), False)
+    assert (failed.value.tail, failed.value.closed) == (len(stored), False)
     assert len(segments) == 2, segments  # the first append's, then the batch's
-    assert read_all(store, "log") == b"first;second;"
+    assert read_all(store, "log") == stored
 
 
 def test_conditional_appends_rank_after_closure_and_type_before_producers_and_seq(
