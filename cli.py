@@ -257,12 +257,21 @@ def create(
 @click.option(
     "--progress/--no-progress", default=None, help="Bar on stderr (default: large files)."
 )
+@click.option(
+    "--if-match",
+    metavar="OFFSET",
+    help="Append only if the stream's tail is still OFFSET (else exit 4, naming the tail).",
+)
 @client_command
-def append(client: Client, path: str, message: str | None, progress: bool | None) -> None:
+def append(
+    client: Client, path: str, message: str | None, progress: bool | None, if_match: str | None
+) -> None:
     """Append MESSAGE, or each line of stdin as one message; prints the new offset.
 
     On a JSON stream each message must be one JSON value (an array stays one message);
-    on other streams the bytes are appended as given, a line keeping its newline.
+    on other streams the bytes are appended as given, a line keeping its newline. With
+    --if-match each batch names the tail the one before left, so no other writer's
+    append comes between them: one that does stops the rest.
     """
     content_type = client.head(path).headers.get("Content-Type", "application/octet-stream")
     is_json = content_type.split(";")[0].strip().lower() == JSON
@@ -270,12 +279,18 @@ def append(client: Client, path: str, message: str | None, progress: bool | None
         batches: Iterator[bytes] = iter([encode_batch([message.encode()], is_json, 1)])
     else:
         batches = read_batches(sys.stdin.buffer, is_json, progress)
-    offset = ""
+    offset, tail = "", if_match.strip('"') if if_match is not None else None
     for body in batches:
-        response = client.send(
-            "POST", client.stream_url(path), data=body, headers={"Content-Type": content_type}
-        )
+        headers = {"Content-Type": content_type}
+        if tail is not None:
+            headers["If-Match"] = f'"{tail}"'
+        url = client.stream_url(path)
+        response = client.send("POST", url, data=body, headers=headers, expected=(200, 204, 412))
+        if response.status_code == 412:
+            moved = f"{error_message(response)}: the tail is at {response.headers[NEXT_OFFSET]}"
+            raise Failure(moved, EXIT_CONFLICT)
         offset = response.headers.get(NEXT_OFFSET, offset)
+        tail = offset if tail is not None else None
     click.echo(offset)
 
 

@@ -1,12 +1,13 @@
 """Appends: validated in batches, written as one segment each, answered once durable.
 
 The group commit. One writer per stream per process takes every pending append,
-validates them in order against the stream's state (closed, content type, producer
-epoch and sequence, Stream-Seq), writes them as one segment at the tail, and only then
-answers them all; appends that come meanwhile form the next batch. The create-only
-write at the tail is the fence between processes and nodes: a writer that loses reads
-what the winner wrote (`Pieces.catch_up`) and validates its batch again. Processes of
-one machine take turns at a stream's commits (streamlocks.py) so none starves.
+validates them in order against the stream's state (closed, content type, If-Match,
+producer epoch and sequence, Stream-Seq), writes them as one segment at the tail, and
+only then answers them all; appends that come meanwhile form the next batch. The
+create-only write at the tail is the fence between processes and nodes: a writer that
+loses reads what the winner wrote (`Pieces.catch_up`) and validates its batch again.
+Processes of one machine take turns at a stream's commits (streamlocks.py) so none
+starves.
 
 Producer state travels in the segments with the data it describes, so the two never
 disagree after a crash; a segment carries only the producer entries changed since the
@@ -50,6 +51,7 @@ from streams import (
     InvalidRequest,
     Payload,
     Pending,
+    PreconditionFailed,
     Producer,
     ProducerFenced,
     ProducerGap,
@@ -184,11 +186,7 @@ class Commits:
             stream.notify()
             self.committed(stream, len(batch))
             break
-        for pending, outcome in zip(batch, plan.outcomes, strict=True):
-            if isinstance(outcome, StoreError):
-                pending.result.set_exception(outcome)
-            else:
-                pending.result.set(outcome)
+        _answer(batch, plan)
 
     def _write_segment(self, stream: Stream, plan: Plan) -> None:
         """Store the batch as the segment at the tail (through the member's log when the
@@ -286,6 +284,8 @@ class Commits:
             stream.config.content_type
         ):
             raise StreamConflict("Content-Type does not match the stream's content type")
+        if request.if_match is not None:
+            _check_if_match(state, request)
         if producer is not None:
             duplicate = _check_producer(state, producer)
             if duplicate is not None:
@@ -310,12 +310,17 @@ class Commits:
 
     @staticmethod
     def _closed_outcome(stream: Stream, state: StreamState, request: AppendRequest) -> AppendResult:
+        """A retried close succeeds again, if its If-Match holds; anything else is a 409."""
         producer = request.producer
-        if producer is not None and state.closer == (producer.id, producer.epoch, producer.seq):
-            return AppendResult(_info(stream, state), duplicate=True, producer=producer)
-        if producer is None and request.payload is None and request.close:
-            return AppendResult(_info(stream, state), duplicate=True)
-        raise StreamClosed(state.tail)
+        if producer is None:
+            retried_close = request.payload is None and request.close
+        else:
+            retried_close = state.closer == (producer.id, producer.epoch, producer.seq)
+        if not retried_close:
+            raise StreamClosed(state.tail)
+        if request.if_match is not None:
+            _check_if_match(state, request)
+        return AppendResult(_info(stream, state), duplicate=True, producer=producer)
 
     def write_first(self, stream: Stream, payload: Payload, closed: bool) -> None:
         """The segment a create writes when it has a body or closes at once."""
@@ -349,6 +354,22 @@ def _take_batch(pending: list[Pending]) -> tuple[list[Pending], list[Pending]]:
     sizes = (len(p.request.payload.data) if p.request.payload else 0 for p in pending)
     taken = count_within(sizes, MAX_SEGMENT_BYTES)
     return pending[:taken], pending[taken:]
+
+
+def _answer(batch: list[Pending], plan: Plan) -> None:
+    """Answer each append of a batch that is durable (or wrote nothing).
+
+    A 412 names the tail the whole batch left, not the one it was checked at: appends
+    after it in the batch landed too, and a writer that retried from the older tail
+    would only meet another 412.
+    """
+    for pending, outcome in zip(batch, plan.outcomes, strict=True):
+        if isinstance(outcome, PreconditionFailed):
+            outcome = PreconditionFailed(plan.state.tail, plan.state.closed)
+        if isinstance(outcome, StoreError):
+            pending.result.set_exception(outcome)
+        else:
+            pending.result.set(outcome)
 
 
 def _fail_unanswered(batch: list[Pending], error: Exception) -> None:
@@ -390,6 +411,21 @@ def _forget_producers(producers: dict[str, ProducerEntry], now: float) -> None:
         by_use = sorted(producers, key=lambda key: producers[key][2])
         for key in by_use[: len(producers) - MAX_PRODUCERS]:
             del producers[key]
+
+
+def _check_if_match(state: StreamState, request: AppendRequest) -> None:
+    """An If-Match, checked against the planned tail: appends earlier in the batch, and
+    what a lost race at the tail brought in, count (a check before the commit would let
+    two writers that saw one tail both append).
+
+    InvalidRequest with producer headers (a producer's retry succeeds, a conditional
+    append's fails: the pull request refuses the mix); PreconditionFailed when it names
+    another tail (`_answer` gives it the tail the batch leaves).
+    """
+    if request.producer is not None:
+        raise InvalidRequest("If-Match cannot be used with Producer-Id, -Epoch and -Seq")
+    if request.if_match != state.tail:
+        raise PreconditionFailed(state.tail, state.closed)
 
 
 def _check_producer(state: StreamState, producer: Producer) -> Producer | None:

@@ -2,7 +2,7 @@
 
 Most requests a stream server takes are plain appends: a POST to a stream with a body
 of declared length and a Content-Type, from an idempotent producer or not; no query, no
-Stream-Closed or Stream-Seq header; and, when tokens are checked, a bearer token that
+Stream-Closed, Stream-Seq or If-Match header; and, when tokens are checked, a token that
 grants the append. Through Flask, such an append paid more for Flask's request machinery
 than for the append itself (bench/ceiling.py; figures: bench/README.md). So they are
 served here, from the WSGI environ, through the calls the view makes, with the status,
@@ -43,6 +43,7 @@ from protocol import (
     CLOSED,
     COMMON_HEADERS,
     FAST_APPEND_FAILURE,
+    IF_MATCH,
     PRODUCER_HEADERS,
     STREAM_PREFIX,
     STREAM_SEQ,
@@ -86,7 +87,7 @@ def environ_key(header: str) -> str:
 
 
 # Headers that make an append more than plain: the view handles them.
-NOT_PLAIN = tuple(map(environ_key, (CLOSED, STREAM_SEQ, "Transfer-Encoding")))
+NOT_PLAIN = tuple(map(environ_key, (CLOSED, STREAM_SEQ, IF_MATCH, "Transfer-Encoding")))
 PRODUCER_KEYS = tuple(map(environ_key, PRODUCER_HEADERS))
 
 

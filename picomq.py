@@ -42,6 +42,7 @@ from protocol import (
     FORK_OFFSET,
     FORK_SUB_OFFSET,
     FORKED_FROM,
+    IF_MATCH,
     NO_STORE,
     PRODUCER_HEADERS,
     PROTOCOL_HEADERS,
@@ -65,6 +66,7 @@ from protocol import (
     parse_content_type,
     parse_expires_at,
     parse_fork_source,
+    parse_if_match,
     parse_number,
     parse_offset,
     parse_payload,
@@ -400,10 +402,13 @@ class StreamViews:
         stream_seq = request.headers.get(STREAM_SEQ)
         if stream_seq is not None and len(stream_seq.encode()) > MAX_STREAM_SEQ_BYTES:
             raise BadRequest(f"{STREAM_SEQ} is longer than {MAX_STREAM_SEQ_BYTES} bytes")
+        if_match = request.headers.get(IF_MATCH)
+        tail = parse_if_match(if_match) if if_match is not None else None
         result = self.store.append(
-            path, AppendRequest(content_type, payload, close, producer, stream_seq)
+            path, AppendRequest(content_type, payload, close, producer, stream_seq, tail)
         )
-        status, headers = append_answer(result, producer is not None and payload is not None)
+        produced = producer is not None and payload is not None
+        status, headers = append_answer(result, produced, conditional=tail is not None)
         return Response(status=status, headers=headers)
 
     def raise_conflict_before_bad_body(self, path: str, content_type: str | None) -> None:

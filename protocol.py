@@ -26,10 +26,12 @@ from limits import json_array_longer_than, json_nests_deeper_than
 from logs import REQUEST_ID_HEADER
 from streams import (
     MAX_PRODUCER_ID_BYTES,
+    NO_TAIL,
     AppendResult,
     InvalidRequest,
     OffsetTrimmed,
     Payload,
+    PreconditionFailed,
     Producer,
     ProducerFenced,
     ProducerGap,
@@ -73,6 +75,7 @@ PRODUCER_SEQ = "Producer-Seq"
 PRODUCER_EXPECTED_SEQ = "Producer-Expected-Seq"
 PRODUCER_RECEIVED_SEQ = "Producer-Received-Seq"
 SSE_DATA_ENCODING = "Stream-SSE-Data-Encoding"
+IF_MATCH = "If-Match"
 
 PROTOCOL_HEADERS = (
     NEXT_OFFSET, UP_TO_DATE, CLOSED, CURSOR, TTL, EXPIRES_AT, STREAM_SEQ, FORKED_FROM,
@@ -102,6 +105,7 @@ CACHEABLE = "public, max-age=60, stale-while-revalidate=300"
 NO_STORE = "no-store"
 
 OFFSET_PATTERN = re.compile(r"0{16}_([0-9]{16})")
+QUOTED_OFFSET_PATTERN = re.compile(r'"0{16}_([0-9]{16})"')
 CONTENT_TYPE_PATTERN = re.compile(r"[\w.+-]+/[\w.+-]+\s*(;.*)?", re.ASCII)
 STARTS_AS_ARRAY = re.compile(rb"[ \t\r\n]*\[")
 JSON_ITEMS = msgspec.json.Decoder(list[msgspec.Raw])
@@ -120,6 +124,7 @@ STATUS_OF_ERROR: dict[type[StoreError], int] = {
     ProducerGap: 409,
     StreamGone: 410,
     OffsetTrimmed: 410,
+    PreconditionFailed: 412,
     StreamMoved: 503,
 }
 
@@ -146,6 +151,21 @@ def parse_offset(text: str) -> int:
     if match is None:
         raise BadRequest(f"malformed offset {text!r}")
     return int(match.group(1))
+
+
+def parse_if_match(text: str) -> int:
+    """The tail a conditional append names: `"<offset>"`, as its ETag gives it.
+
+    Any other value (`*`, a weak or unquoted tag, a list) names no tail, so it fails as
+    a stale one does (412), never a 400: pull request #243 of the protocol says so.
+    """
+    match = QUOTED_OFFSET_PATTERN.fullmatch(text.strip())
+    return int(match.group(1)) if match is not None else NO_TAIL
+
+
+def format_tail_etag(position: int) -> str:
+    """The ETag of a stream's tail, what a conditional append names in If-Match."""
+    return f'"{format_offset(position)}"'
 
 
 def parse_start_offset(text: str | None) -> int | None:
@@ -380,12 +400,19 @@ def json_response(
     )
 
 
-def append_answer(result: AppendResult, produced_data: bool) -> tuple[int, dict[str, str]]:
-    """Status and headers of an append that succeeded; 200 only for new producer data."""
+def append_answer(
+    result: AppendResult, produced_data: bool, conditional: bool = False
+) -> tuple[int, dict[str, str]]:
+    """Status and headers of an append that succeeded; 200 only for new producer data.
+
+    A `conditional` one (If-Match) also gets the new tail's ETag, for the next one to
+    name; other appends answer as the protocol without conditions does."""
     info = result.info
     headers = {NEXT_OFFSET: format_offset(info.tail)}
     if info.closed:
         headers[CLOSED] = "true"
+    if conditional:
+        headers["ETag"] = format_tail_etag(info.tail)
     if result.producer is not None:
         headers[PRODUCER_EPOCH] = str(result.producer.epoch)
         headers[PRODUCER_SEQ] = str(result.producer.seq)
@@ -403,6 +430,10 @@ def store_error_response(error: StoreError) -> Response:
     headers: dict[str, str] = {}
     if isinstance(error, StreamClosed):
         headers = {CLOSED: "true", NEXT_OFFSET: format_offset(error.tail)}
+    elif isinstance(error, PreconditionFailed):
+        headers = {"ETag": format_tail_etag(error.tail), NEXT_OFFSET: format_offset(error.tail)}
+        if error.closed:
+            headers[CLOSED] = "true"
     elif isinstance(error, OffsetTrimmed):
         headers = {EARLIEST_OFFSET: format_offset(error.earliest)}
     elif isinstance(error, ProducerFenced):

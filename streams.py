@@ -49,6 +49,7 @@ PRODUCER_ENTRY_BYTES = MAX_PRODUCER_ID_BYTES + 64  # an upper bound, encoded or 
 LOGGED = "logged:"  # held pieces' names: never an object's (rewrites.py)
 HANDLE_BYTES = 2048
 PIECE_BYTES = 100
+NO_TAIL = -1  # what an If-Match that names no offset is compared as: no tail is this
 
 
 # -- errors: each maps to one protocol outcome --------------------------------------
@@ -90,6 +91,15 @@ class StreamClosed(StoreError):
     def __init__(self, tail: int) -> None:
         super().__init__("stream is closed")
         self.tail = tail
+
+
+class PreconditionFailed(StoreError):
+    """An If-Match that names another tail than the stream's (412, with where it is)."""
+
+    def __init__(self, tail: int, closed: bool) -> None:
+        super().__init__("the stream's tail is not the offset If-Match names")
+        self.tail = tail
+        self.closed = closed
 
 
 class ProducerFenced(StoreError):
@@ -163,6 +173,9 @@ class AppendRequest:
     close: bool = False
     producer: Producer | None = None
     stream_seq: str | None = None
+    # If-Match: append only if the tail is still here when the batch commits (commits.py);
+    # NO_TAIL matches no tail.
+    if_match: int | None = None
 
 
 @dataclass(frozen=True)

@@ -170,6 +170,24 @@ def test_large_input_is_batched_in_order_with_a_progress_bar(
     assert [json.loads(line)["n"] for line in read.splitlines()] == list(range(count))
 
 
+def test_append_if_match_goes_on_only_from_the_tail_it_names(
+    server: Server, unique_stream: str
+) -> None:
+    start = ok(picomq(server.url, "create", unique_stream)).strip()
+    first = ok(picomq(server.url, "append", unique_stream, "1", "--if-match", start)).strip()
+    # 1,001 lines go as two batches, the second naming the tail the first left.
+    lines = b"2\n" * (1000 + 1)
+    last = ok(picomq(server.url, "append", unique_stream, "--if-match", first, input=lines))
+    assert last.strip() == "0000000000000000_0000000000002004"
+    stale = picomq(server.url, "append", unique_stream, "4", "--if-match", first)
+    assert stale.returncode == 4
+    assert stale.stderr == (
+        "picomq: the stream's tail is not the offset If-Match names (412):"
+        f" the tail is at {last.strip()}\n"
+    )
+    assert ok(picomq(server.url, "read", unique_stream)).splitlines() == ["1"] + ["2"] * 1001
+
+
 # -- errors and exit codes --------------------------------------------------------------------
 
 

@@ -50,6 +50,7 @@ from streams import (
     InvalidRequest,
     OffsetTrimmed,
     Payload,
+    PreconditionFailed,
     Producer,
     ProducerFenced,
     ProducerGap,
@@ -539,6 +540,76 @@ def test_close_is_final_and_idempotent(make_store: MakeStore) -> None:
     # A stream can also be created closed.
     store.create("sealed", CreateRequest(TEXT, closed=True, payload=Payload(b"x")))
     assert store.head("sealed").closed
+
+
+def test_a_conditional_append_is_checked_against_the_tail_its_batch_planned(
+    make_store: MakeStore,
+) -> None:
+    """Two appends naming one tail wait behind a commit and form one batch with a plain
+    one: the first lands, the second fails at the tail the first planned, though neither
+    was written yet when the batch was checked, and its 412 names the tail the whole
+    batch left (the current one when it is answered), not the one it was checked at."""
+    store = make_store()
+    store.create("log", CreateRequest(TEXT))
+    handle, create = store._streams["log"], store.objects.create
+    segments, landing, release = [], Event(), Event()
+
+    def creating(key: str, data: bytes, **options: bool) -> None:
+        segments.append(key)
+        landing.set()
+        release.wait()  # the first commit is held until both appends wait behind it
+        create(key, data, **options)
+
+    store.objects.create = creating  # type: ignore[method-assign]
+    first = gevent.spawn(append_text, store, "log", b"first;")
+    assert landing.wait(WAIT_TIMEOUT_SECONDS)
+    named = len(b"first;")
+    second, third = (
+        gevent.spawn(append_text, store, "log", data, if_match=named)
+        for data in (b"second;", b"third;")
+    )
+    fourth = gevent.spawn(append_text, store, "log", b"fourth;")
+    deadline = time.monotonic() + WAIT_TIMEOUT_SECONDS
+    while len(handle.pending) < 3:
+        assert time.monotonic() < deadline, "the conditional appends never queued"
+        gevent.sleep(0.01)
+    release.set()
+    assert first.get(timeout=WAIT_TIMEOUT_SECONDS).info.tail == named
+    assert second.get(timeout=WAIT_TIMEOUT_SECONDS).info.tail == len(b"first;second;")
+    stored = b"first;second;fourth;"
+    assert fourth.get(timeout=WAIT_TIMEOUT_SECONDS).info.tail == len(stored)
+    with pytest.raises(PreconditionFailed) as failed:
+        third.get(timeout=WAIT_TIMEOUT_SECONDS)
+    assert (failed.value.tail, failed.value.closed) == (len(stored), False)
+    assert len(segments) == 2, segments  # the first append's, then the batch's
+    assert read_all(store, "log") == stored
+
+
+def test_conditional_appends_rank_after_closure_and_type_before_producers_and_seq(
+    make_store: MakeStore,
+) -> None:
+    store = make_store()
+    store.create("log", CreateRequest(TEXT))
+    tail = append_text(store, "log", b"ab", stream_seq="5").info.tail
+    with pytest.raises(StreamConflict):  # the content type first
+        store.append("log", AppendRequest(JSON, messages(1), if_match=0))
+    with pytest.raises(InvalidRequest):  # If-Match and a producer cannot go together
+        append_text(store, "log", b"c", if_match=0, producer=Producer("p", 0, 5))
+    with pytest.raises(PreconditionFailed) as stale:  # before the Stream-Seq conflict
+        append_text(store, "log", b"c", if_match=0, stream_seq="1")
+    assert stale.value.tail == tail
+    with pytest.raises(StreamConflict):
+        append_text(store, "log", b"c", if_match=tail, stream_seq="1")
+    closed = store.append("log", AppendRequest(None, None, close=True, if_match=tail))
+    assert (closed.info.tail, closed.info.closed) == (tail, True)
+    with pytest.raises(StreamClosed):  # closure before a stale If-Match
+        append_text(store, "log", b"c", if_match=0)
+    with pytest.raises(PreconditionFailed) as stale_close:  # a close again, named stale
+        store.append("log", AppendRequest(None, None, close=True, if_match=0))
+    assert (stale_close.value.tail, stale_close.value.closed) == (tail, True)
+    again = store.append("log", AppendRequest(None, None, close=True, if_match=tail))
+    assert again.duplicate and again.info.closed
+    assert read_all(store, "log") == b"ab"
 
 
 def test_producer_appends_are_deduplicated(make_store: MakeStore) -> None:
@@ -1245,6 +1316,25 @@ def test_stores_alternating_on_one_stream_never_overwrite(make_store: MakeStore)
     third = make_store()
     assert read_all(first, "shared") == read_all(second, "shared") == expected
     assert read_all(third, "shared") == expected
+
+
+def test_conditional_appends_through_a_stale_store_are_checked_at_the_true_tail(
+    make_store: MakeStore,
+) -> None:
+    """Each store's cached tail is stale in turn: a conditional append is never judged
+    against it, but against the tail the refresh (nothing to write) or the lost create
+    at the stale tail (a write) brings in."""
+    first, second = stores_knowing_an_empty_stream(make_store, "log")
+    assert append_text(first, "log", b"a;").info.tail == 2
+    # The second store believes the tail is 0: 2 fails there, then holds after a refresh.
+    assert append_text(second, "log", b"b;", if_match=2).info.tail == 4
+    # The first believes 2, which matches there: its create at 2 loses, and the batch,
+    # checked again at the true tail, fails.
+    with pytest.raises(PreconditionFailed) as stale:
+        append_text(first, "log", b"c;", if_match=2)
+    assert stale.value.tail == 4
+    assert append_text(first, "log", b"c;", if_match=4).info.tail == 6
+    assert read_all(make_store(), "log") == b"a;b;c;"
 
 
 def test_concurrent_appends_from_two_stores_land_exactly_once(make_store: MakeStore) -> None:

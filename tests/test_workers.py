@@ -85,8 +85,9 @@ def start_logged_server(
     long_poll_timeout: float = 0.5,
     storage_url: str | None = None,
     env: dict[str, str] | None = None,
+    workers: int = WORKERS,
 ) -> tuple[Server, Path]:
-    """A PicoMQ with WORKERS workers, all serving; its access log names the worker of each
+    """A PicoMQ with `workers` workers, all serving; its access log names the worker of each
     request (`<pid> METHOD path query status`), through gunicorn's own settings."""
     access_log = tmp_path / "access.log"
     gunicorn_args = (
@@ -94,16 +95,16 @@ def start_logged_server(
         f"--access-logformat {shlex.quote(ACCESS_LOG_FORMAT)}"
     )
     server = start_server(
-        workers=WORKERS,
+        workers=workers,
         long_poll_timeout=long_poll_timeout,
         storage_url=storage_url,
         env={"GUNICORN_CMD_ARGS": gunicorn_args, **(env or {})},
     )
-    wait_for_every_worker(server, access_log)
+    wait_for_every_worker(server, access_log, workers)
     return server, access_log
 
 
-def wait_for_every_worker(server: Server, access_log: Path) -> None:
+def wait_for_every_worker(server: Server, access_log: Path, workers: int) -> None:
     """Probe on new connections until each worker has answered one (they boot one by one)."""
     probe = f"{server.url}{READINESS_PATH}-workers"
     path = urlsplit(probe).path
@@ -112,11 +113,11 @@ def wait_for_every_worker(server: Server, access_log: Path) -> None:
         requests.get(probe, headers=CLOSE_CONNECTION, timeout=REQUEST_TIMEOUT_SECONDS)
 
     deadline = time.monotonic() + WORKERS_READY_SECONDS
-    with ThreadPoolExecutor(2 * WORKERS) as pool:
+    with ThreadPoolExecutor(2 * workers) as pool:
         while True:
-            list(pool.map(get_probe, range(2 * WORKERS)))
+            list(pool.map(get_probe, range(2 * workers)))
             answered = serving_workers(access_log, "GET", path) if access_log.exists() else {}
-            if len(answered) == WORKERS:
+            if len(answered) == workers:
                 return
             assert time.monotonic() < deadline, f"only workers {answered} answered"
             time.sleep(0.05)
