@@ -360,8 +360,6 @@ class StreamStore:
         stream.last_access = max(stream.last_access, touched)
         return now >= stream.last_access + config.ttl
 
-    # -- segments -----------------------------------------------------------------------
-
     # -- create --------------------------------------------------------------------------
 
     def create(self, path: str, request: CreateRequest) -> tuple[bool, StreamInfo]:
