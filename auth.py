@@ -27,6 +27,11 @@ any view runs and without asking the store, so a caller who may not read a path 
 the same answer whether a stream exists there or not. Signatures are checked by PyJWT
 (HMAC compared in constant time); the token is taken out of the query string before
 Flask, or any log line, sees the URL.
+
+Keys rotate without downtime: a setting may name several keys by id, and a token's
+`kid` header picks the one that verifies it (a token without one: the first listed).
+A key removed from the set is retired, and with it every token it signed. With the
+single-key form a token's kid is not looked at, as before keys had ids.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import functools
 import logging
 import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from urllib.parse import unquote_plus
 
@@ -54,7 +59,7 @@ from protocol import (
     parse_fork_source,
     words_of,
 )
-from settings import Settings, read_pem
+from settings import NamedKey, Settings, read_pem
 
 log = logging.getLogger("picomq.auth")
 
@@ -186,33 +191,64 @@ def segment_matcher(segment: str) -> Callable[[str], bool]:
 
 
 @dataclass(frozen=True)
-class Verifier:
-    """Checks tokens with the one key and algorithm the settings name."""
+class VerificationKey:
+    """A key and the one algorithm it verifies: a token's own `alg` is never trusted."""
 
     key: object
     algorithm: str
+
+    @staticmethod
+    def from_setting(named: NamedKey, is_secret: bool) -> VerificationKey:
+        if is_secret:
+            return VerificationKey(named.text.encode(), "HS256")
+        key = load_pem_public_key(named.text.encode())  # settings.py took Ed25519 and RSA only
+        return VerificationKey(key, "EdDSA" if isinstance(key, Ed25519PublicKey) else "RS256")
+
+
+@dataclass(frozen=True)
+class Verifier:
+    """Checks tokens with the keys the settings name."""
+
+    keys: Mapping[str | None, VerificationKey]  # by kid; None: the single-key form
+    first: VerificationKey  # for tokens that name no key
     audience: str | None
 
     @staticmethod
     def from_settings(settings: Settings) -> Verifier | None:
         """None when access control is off (no key configured)."""
-        if settings.jwt_secret:
-            return Verifier(settings.jwt_secret.encode(), "HS256", settings.jwt_audience)
-        if settings.jwt_public_key:  # settings.py accepted only Ed25519 and RSA keys
-            key = load_pem_public_key(settings.jwt_public_key.encode())
-            algorithm = "EdDSA" if isinstance(key, Ed25519PublicKey) else "RS256"
-            return Verifier(key, algorithm, settings.jwt_audience)
-        return None
+        named = settings.jwt_secret or settings.jwt_public_key
+        if not named:
+            return None
+        is_secret = bool(settings.jwt_secret)
+        keys = {key.kid: VerificationKey.from_setting(key, is_secret) for key in named}
+        return Verifier(keys, keys[named[0].kid], settings.jwt_audience)
+
+    def key_of(self, token: str) -> VerificationKey:
+        """The key a token's kid names; AuthError(401) for an id no key has (retired)."""
+        if None in self.keys:
+            return self.first
+        try:
+            kid = jwt.get_unverified_header(token).get("kid")  # PyJWT: a string, if any
+        except jwt.PyJWTError as error:
+            raise AuthError(401, "invalid_token", f"token refused: {describe(error)}") from error
+        if kid is None:
+            return self.first
+        key = self.keys.get(kid)
+        if key is None:
+            raise AuthError(401, "invalid_token", "the token's key (kid) is not one in use")
+        return key
 
     def grants_of(self, token: str) -> tuple[Grant, ...]:
-        """The token's grants; AuthError(401) unless it is signed by our key and current."""
+        """The token's grants; AuthError(401) unless it is signed by one of our keys and
+        current."""
         if len(token) > MAX_TOKEN_CHARS:
             raise AuthError(401, "invalid_token", "token is too long")
+        key = self.key_of(token)
         try:
             claims = jwt.decode(
                 token,
-                self.key,
-                algorithms=[self.algorithm],
+                key.key,
+                algorithms=[key.algorithm],
                 audience=self.audience,
                 leeway=LEEWAY_SECONDS,
                 options={
@@ -270,8 +306,10 @@ def mint_token(
     *,
     subject: str | None = None,
     audience: str | None = None,
+    key_id: str | None = None,
 ) -> str:
-    """A signed JWT with `scope`, `iat` and `exp` (and `sub`, `aud` when given)."""
+    """A signed JWT with `scope`, `iat` and `exp` (and `sub`, `aud` and the `kid` header
+    when given)."""
     parse_scope(scope, strict=True)
     now = int(time.time())
     claims: dict[str, object] = {"scope": " ".join(scope.split()), "iat": now}
@@ -280,7 +318,8 @@ def mint_token(
         claims["sub"] = subject
     if audience:
         claims["aud"] = audience
-    return jwt.encode(claims, key, algorithm=algorithm)
+    headers = {"kid": key_id} if key_id else None
+    return jwt.encode(claims, key, algorithm=algorithm, headers=headers)
 
 
 # -- the HTTP edge ------------------------------------------------------------------

@@ -540,12 +540,16 @@ def rm(client: Client, path: str) -> None:
     help="Ed25519 or RSA private key, PEM text or a PEM file's path (signs EdDSA or RS256;"
     " env PICOMQ_JWT_PRIVATE_KEY). Without it, PICOMQ_JWT_SECRET signs (HS256).",
 )
-def token(scope: str, ttl: str, subject: str | None, private_key: str | None) -> None:
+@click.option("--kid", default=None, help="The key id for the header, with --private-key.")
+def token(
+    scope: str, ttl: str, subject: str | None, private_key: str | None, kid: str | None
+) -> None:
     """Print a token (a JWT) that grants SCOPE for TTL.
 
     Clients send it as `Authorization: Bearer <token>`, or as `?access_token=` where a
     browser's EventSource cannot set headers. It carries PICOMQ_JWT_AUDIENCE as its
-    aud claim when that is set.
+    aud claim when that is set. When PICOMQ_JWT_SECRET names several keys, the first
+    signs, and its id is the kid.
     """
     from cryptography.exceptions import UnsupportedAlgorithm
 
@@ -556,11 +560,18 @@ def token(scope: str, ttl: str, subject: str | None, private_key: str | None) ->
         if private_key:
             key, algorithm = load_signing_key(private_key)
         elif settings.jwt_secret:
-            key, algorithm = settings.jwt_secret.encode(), "HS256"
+            first = settings.jwt_secret[0]
+            key, algorithm, kid = first.text.encode(), "HS256", first.kid
         else:
             raise click.UsageError("set PICOMQ_JWT_SECRET, or give --private-key")
         encoded = mint_token(
-            key, algorithm, scope, parse_ttl(ttl), subject=subject, audience=settings.jwt_audience
+            key,
+            algorithm,
+            scope,
+            parse_ttl(ttl),
+            subject=subject,
+            audience=settings.jwt_audience,
+            key_id=kid,
         )
     except (SettingsError, ValueError, TypeError, OSError, UnsupportedAlgorithm) as error:
         raise click.ClickException(str(error)) from None
