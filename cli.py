@@ -548,8 +548,8 @@ def token(
 
     Clients send it as `Authorization: Bearer <token>`, or as `?access_token=` where a
     browser's EventSource cannot set headers. It carries PICOMQ_JWT_AUDIENCE as its
-    aud claim when that is set. When PICOMQ_JWT_SECRET names several keys, the first
-    signs, and its id is the kid.
+    aud claim when that is set, and a random jti (`revoke --jti`). When
+    PICOMQ_JWT_SECRET names several keys, the first signs, and its id is the kid.
     """
     from cryptography.exceptions import UnsupportedAlgorithm
 
@@ -576,6 +576,36 @@ def token(
     except (SettingsError, ValueError, TypeError, OSError, UnsupportedAlgorithm) as error:
         raise click.ClickException(str(error)) from None
     click.echo(encoded)
+
+
+@main.command()
+@click.option("--jti", default=None, help="Revoke the one token with this jti claim.")
+@click.option("--sub", default=None, help="Revoke every token of this sub issued until now.")
+@click.option(
+    "--until",
+    required=True,
+    help="When those tokens expire anyway: a unix time (their exp), or 15m, 1h, 7d from now.",
+)
+@client_command
+def revoke(client: Client, jti: str | None, sub: str | None, until: str) -> None:
+    """Refuse a token (--jti) or a subject's tokens (--sub) from now on, on every worker
+    and node within PICOMQ_REVOCATION_INTERVAL; the token in PICOMQ_TOKEN needs
+    admin:v1/revocations. Prints the revocation as JSON."""
+    from auth import parse_ttl
+
+    if (jti is None) == (sub is None):
+        raise click.UsageError("give --jti or --sub, one of them")
+    try:
+        expires = parse_decimal(until)
+    except ValueError:
+        try:
+            expires = int(time.time()) + parse_ttl(until)
+        except ValueError as error:
+            raise click.UsageError(f"--until: {error}") from None
+    body = {"jti": jti} if jti is not None else {"sub": sub}
+    url = f"{client.base_url}/v1/revocations"
+    response = client.send("POST", url, json={**body, "until": expires}, expected=(201,))
+    click.echo(response.text)
 
 
 if __name__ == "__main__":

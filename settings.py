@@ -299,6 +299,14 @@ SETTINGS: tuple[Setting, ...] = (
         "When set, tokens must carry this aud claim; empty: aud is not checked.",
     ),
     Setting(
+        "revocation_interval",
+        "5",
+        _non_negative_float,
+        "Seconds, plus one storage listing, within which every worker and node refuses a"
+        " revoked token (each lists the revocations once per interval while it serves"
+        " tokens); 0: revocations are not checked.",
+    ),
+    Setting(
         "webhook_allowed_networks",
         "",
         _networks,
@@ -391,6 +399,7 @@ class Settings:
     jwt_secret: tuple[NamedKey, ...]
     jwt_public_key: tuple[NamedKey, ...]
     jwt_audience: str | None
+    revocation_interval: float
     webhook_allowed_networks: tuple[Network, ...]
     webhook_timeout: float
     cache_bytes: int
