@@ -21,12 +21,18 @@ What each request needs:
     other   admin on the URL path without its leading slash (`admin:**` is everything),
             except /healthz, /readyz and the inspector page, which need no token
 
-Missing or invalid credentials get 401 with `WWW-Authenticate`; a valid token without
-the grant gets 403. The decision is made from the token and the request alone, before
+Missing or invalid credentials get 401 with `WWW-Authenticate`, and so does a revoked
+token (revocations.py), also in the middle of a live read; a valid token without the
+grant gets 403. The decision is made from the token and the request alone, before
 any view runs and without asking the store, so a caller who may not read a path gets
 the same answer whether a stream exists there or not. Signatures are checked by PyJWT
 (HMAC compared in constant time); the token is taken out of the query string before
 Flask, or any log line, sees the URL.
+
+Keys rotate without downtime: a setting may name several keys by id, and a token's
+`kid` header picks the one that verifies it (a token without one: the first listed).
+A key removed from the set is retired, and with it every token it signed. With the
+single-key form a token's kid is not looked at, as before keys had ids.
 """
 
 from __future__ import annotations
@@ -34,8 +40,9 @@ from __future__ import annotations
 import functools
 import logging
 import re
+import secrets
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from urllib.parse import unquote_plus
 
@@ -45,6 +52,7 @@ from cryptography.hazmat.primitives.asymmetric.rsa import RSAPrivateKey
 from cryptography.hazmat.primitives.serialization import load_pem_private_key, load_pem_public_key
 from flask import Flask, Response, current_app, g, request
 
+from objectstore import ObjectStore
 from protocol import (
     FORKED_FROM,
     STREAM_PREFIX,
@@ -54,7 +62,8 @@ from protocol import (
     parse_fork_source,
     words_of,
 )
-from settings import Settings, read_pem
+from revocations import Revocations
+from settings import NamedKey, Settings, read_pem
 
 log = logging.getLogger("picomq.auth")
 
@@ -69,6 +78,7 @@ ACTION_OF_METHOD = {
 TOKEN_PARAMETER = "access_token"
 TOKEN_ENVIRON_KEY = "picomq.access_tokens"
 ACCESS_CONTROL_KEY = "picomq.access_control"  # app.extensions: whether a key is configured
+REVOCATIONS_KEY = "picomq.revocations"  # app.extensions: the Revocations, None when not checked
 MAX_TOKEN_CHARS = 8192
 LEEWAY_SECONDS = 30  # clock skew allowed on exp, nbf and iat
 CHALLENGE = 'Bearer realm="picomq"'
@@ -186,33 +196,65 @@ def segment_matcher(segment: str) -> Callable[[str], bool]:
 
 
 @dataclass(frozen=True)
-class Verifier:
-    """Checks tokens with the one key and algorithm the settings name."""
+class VerificationKey:
+    """A key and the one algorithm it verifies: a token's own `alg` is never trusted."""
 
     key: object
     algorithm: str
-    audience: str | None
 
     @staticmethod
-    def from_settings(settings: Settings) -> Verifier | None:
-        """None when access control is off (no key configured)."""
-        if settings.jwt_secret:
-            return Verifier(settings.jwt_secret.encode(), "HS256", settings.jwt_audience)
-        if settings.jwt_public_key:  # settings.py accepted only Ed25519 and RSA keys
-            key = load_pem_public_key(settings.jwt_public_key.encode())
-            algorithm = "EdDSA" if isinstance(key, Ed25519PublicKey) else "RS256"
-            return Verifier(key, algorithm, settings.jwt_audience)
-        return None
+    def from_setting(named: NamedKey, is_secret: bool) -> VerificationKey:
+        if is_secret:
+            return VerificationKey(named.text.encode(), "HS256")
+        key = load_pem_public_key(named.text.encode())  # settings.py took Ed25519 and RSA only
+        return VerificationKey(key, "EdDSA" if isinstance(key, Ed25519PublicKey) else "RS256")
 
-    def grants_of(self, token: str) -> tuple[Grant, ...]:
-        """The token's grants; AuthError(401) unless it is signed by our key and current."""
+
+@dataclass(frozen=True)
+class Verifier:
+    """Checks tokens with the keys the settings name, and against the revocations."""
+
+    keys: Mapping[str | None, VerificationKey]  # by kid; None: the single-key form
+    first: VerificationKey  # for tokens that name no key
+    audience: str | None
+    revocations: Revocations | None = None
+
+    @staticmethod
+    def from_settings(settings: Settings, revocations: Revocations | None) -> Verifier | None:
+        """None when access control is off (no key configured)."""
+        named = settings.jwt_secret or settings.jwt_public_key
+        if not named:
+            return None
+        is_secret = bool(settings.jwt_secret)
+        keys = {key.kid: VerificationKey.from_setting(key, is_secret) for key in named}
+        return Verifier(keys, keys[named[0].kid], settings.jwt_audience, revocations)
+
+    def key_of(self, token: str) -> VerificationKey:
+        """The key a token's kid names; AuthError(401) for an id no key has (retired)."""
+        if None in self.keys:
+            return self.first
+        try:
+            kid = jwt.get_unverified_header(token).get("kid")  # PyJWT: a string, if any
+        except jwt.PyJWTError as error:
+            raise AuthError(401, "invalid_token", f"token refused: {describe(error)}") from error
+        if kid is None:
+            return self.first
+        key = self.keys.get(kid)
+        if key is None:
+            raise AuthError(401, "invalid_token", "the token's key (kid) is not one in use")
+        return key
+
+    def claims_of(self, token: str) -> dict[str, object]:
+        """The token's claims; AuthError(401) unless it is signed by one of our keys,
+        current, and not revoked."""
         if len(token) > MAX_TOKEN_CHARS:
             raise AuthError(401, "invalid_token", "token is too long")
+        key = self.key_of(token)
         try:
             claims = jwt.decode(
                 token,
-                self.key,
-                algorithms=[self.algorithm],
+                key.key,
+                algorithms=[key.algorithm],
                 audience=self.audience,
                 leeway=LEEWAY_SECONDS,
                 options={
@@ -225,18 +267,28 @@ class Verifier:
             raise AuthError(401, "invalid_token", "token expired") from error
         except jwt.PyJWTError as error:
             raise AuthError(401, "invalid_token", f"token refused: {describe(error)}") from error
-        scope = claims.get("scope", "")
-        if not isinstance(scope, str):
-            raise AuthError(401, "invalid_token", "scope must be a space-separated string")
-        return parse_scope(scope)
+        if self.revocations is not None and self.revocations.refuses(claims):
+            raise token_revoked()
+        return claims
 
     def allows(self, token: str, action: str, path: str) -> bool:
-        """Whether `token` is ours, current, and grants `action` on `path`."""
+        """Whether `token` is ours, current, not revoked, and grants `action` on `path`."""
         try:
-            grants = self.grants_of(token)
+            grants = grants_of(self.claims_of(token))
         except AuthError:
             return False
         return granted(grants, action, path)
+
+
+def grants_of(claims: Mapping[str, object]) -> tuple[Grant, ...]:
+    scope = claims.get("scope", "")
+    if not isinstance(scope, str):
+        raise AuthError(401, "invalid_token", "scope must be a space-separated string")
+    return parse_scope(scope)
+
+
+def token_revoked() -> AuthError:
+    return AuthError(401, "invalid_token", "token revoked")
 
 
 def describe(error: jwt.PyJWTError) -> str:
@@ -270,17 +322,21 @@ def mint_token(
     *,
     subject: str | None = None,
     audience: str | None = None,
+    key_id: str | None = None,
 ) -> str:
-    """A signed JWT with `scope`, `iat` and `exp` (and `sub`, `aud` when given)."""
+    """A signed JWT with `scope`, `iat`, `exp` and a random `jti`, by which it can be
+    revoked alone (and `sub`, `aud` and the `kid` header when given)."""
     parse_scope(scope, strict=True)
     now = int(time.time())
     claims: dict[str, object] = {"scope": " ".join(scope.split()), "iat": now}
     claims["exp"] = now + ttl_seconds
+    claims["jti"] = secrets.token_urlsafe(16)
     if subject:
         claims["sub"] = subject
     if audience:
         claims["aud"] = audience
-    return jwt.encode(claims, key, algorithm=algorithm)
+    headers = {"kid": key_id} if key_id else None
+    return jwt.encode(claims, key, algorithm=algorithm, headers=headers)
 
 
 # -- the HTTP edge ------------------------------------------------------------------
@@ -369,14 +425,19 @@ def refusal(error: AuthError) -> Response:
 PRIVATE_ANSWER_HEADERS = (("Cache-Control", "private"), ("Vary", "Authorization"))
 
 
-def register_auth(app: Flask, settings: Settings) -> Verifier | None:
+def register_auth(app: Flask, settings: Settings, objects: ObjectStore) -> Verifier | None:
     """Check every request's token before its view, when a key is configured; its verifier.
 
+    Revocations are kept in `objects` and checked unless PICOMQ_REVOCATION_INTERVAL is 0.
     Other modules name endpoints that need no token with `allow_anonymous`.
     """
     app.extensions["picomq.anonymous_endpoints"] = set(ANONYMOUS_ENDPOINTS)
     app.wsgi_app = TokenOutOfQuery(app.wsgi_app)  # even when off: clients may still send one
-    verifier = Verifier.from_settings(settings)
+    revocations = None
+    if settings.auth_enabled and settings.revocation_interval > 0:
+        revocations = Revocations(objects, settings.revocation_interval, LEEWAY_SECONDS)
+    app.extensions[REVOCATIONS_KEY] = revocations
+    verifier = Verifier.from_settings(settings, revocations)
     app.extensions[ACCESS_CONTROL_KEY] = verifier is not None
     if verifier is None:
         return None
@@ -390,7 +451,8 @@ def register_auth(app: Flask, settings: Settings) -> Verifier | None:
             token = bearer_token()
             if token is None:
                 raise AuthError(401, "missing_token", "send a token: Authorization: Bearer")
-            g.picomq_grants = grants = verifier.grants_of(token)
+            g.picomq_claims = claims = verifier.claims_of(token)
+            g.picomq_grants = grants = grants_of(claims)
             for action, path in needed:
                 if not granted(grants, action, path):
                     raise AuthError(403, "insufficient_scope", f"the token does not grant {action}")
@@ -440,3 +502,17 @@ def request_covers(action: str, pattern: str) -> bool:
     """Whether one grant of this request's token allows `action` on all `pattern` matches."""
     grants = request_grants()
     return grants is None or any(grant.covers(action, pattern) for grant in grants)
+
+
+def watch_request_token(end: Callable[[], None]) -> Callable[[], None]:
+    """Call `end` if this request's token is revoked while it is served (a live read);
+    the result stops watching. Nothing to watch with access control or revocations off."""
+    revocations: Revocations | None = current_app.extensions[REVOCATIONS_KEY]
+    claims = g.get("picomq_claims")
+    if revocations is None or claims is None:
+        return do_nothing
+    return revocations.watch(claims, end)
+
+
+def do_nothing() -> None:
+    pass

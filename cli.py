@@ -555,12 +555,16 @@ def rm(client: Client, path: str) -> None:
     help="Ed25519 or RSA private key, PEM text or a PEM file's path (signs EdDSA or RS256;"
     " env PICOMQ_JWT_PRIVATE_KEY). Without it, PICOMQ_JWT_SECRET signs (HS256).",
 )
-def token(scope: str, ttl: str, subject: str | None, private_key: str | None) -> None:
+@click.option("--kid", default=None, help="The key id for the header, with --private-key.")
+def token(
+    scope: str, ttl: str, subject: str | None, private_key: str | None, kid: str | None
+) -> None:
     """Print a token (a JWT) that grants SCOPE for TTL.
 
     Clients send it as `Authorization: Bearer <token>`, or as `?access_token=` where a
     browser's EventSource cannot set headers. It carries PICOMQ_JWT_AUDIENCE as its
-    aud claim when that is set.
+    aud claim when that is set, and a random jti (`revoke --jti`). When
+    PICOMQ_JWT_SECRET names several keys, the first signs, and its id is the kid.
     """
     from cryptography.exceptions import UnsupportedAlgorithm
 
@@ -571,15 +575,52 @@ def token(scope: str, ttl: str, subject: str | None, private_key: str | None) ->
         if private_key:
             key, algorithm = load_signing_key(private_key)
         elif settings.jwt_secret:
-            key, algorithm = settings.jwt_secret.encode(), "HS256"
+            first = settings.jwt_secret[0]
+            key, algorithm, kid = first.text.encode(), "HS256", first.kid
         else:
             raise click.UsageError("set PICOMQ_JWT_SECRET, or give --private-key")
         encoded = mint_token(
-            key, algorithm, scope, parse_ttl(ttl), subject=subject, audience=settings.jwt_audience
+            key,
+            algorithm,
+            scope,
+            parse_ttl(ttl),
+            subject=subject,
+            audience=settings.jwt_audience,
+            key_id=kid,
         )
     except (SettingsError, ValueError, TypeError, OSError, UnsupportedAlgorithm) as error:
         raise click.ClickException(str(error)) from None
     click.echo(encoded)
+
+
+@main.command()
+@click.option("--jti", default=None, help="Revoke the one token with this jti claim.")
+@click.option("--sub", default=None, help="Revoke every token of this sub issued until now.")
+@click.option(
+    "--until",
+    required=True,
+    help="When those tokens expire anyway: a unix time (their exp), or 15m, 1h, 7d from now.",
+)
+@client_command
+def revoke(client: Client, jti: str | None, sub: str | None, until: str) -> None:
+    """Refuse a token (--jti) or a subject's tokens (--sub) from now on, on every worker
+    and node within PICOMQ_REVOCATION_INTERVAL; the token in PICOMQ_TOKEN needs
+    admin:v1/revocations. Prints the revocation as JSON."""
+    from auth import parse_ttl
+
+    if (jti is None) == (sub is None):
+        raise click.UsageError("give --jti or --sub, one of them")
+    try:
+        expires = parse_decimal(until)
+    except ValueError:
+        try:
+            expires = int(time.time()) + parse_ttl(until)
+        except ValueError as error:
+            raise click.UsageError(f"--until: {error}") from None
+    body = {"jti": jti} if jti is not None else {"sub": sub}
+    url = f"{client.base_url}/v1/revocations"
+    response = client.send("POST", url, json={**body, "until": expires}, expected=(201,))
+    click.echo(response.text)
 
 
 if __name__ == "__main__":

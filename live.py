@@ -28,6 +28,10 @@ out from the subscriber's greenlet, which can wait for the socket to drain), whe
 connection fails, when the stream closes, and when the broadcaster meets an error (the
 subscriber's next wait meets it too, and ends the response as before), and when the
 worker stops (wakeups.py's `end_waits`: the subscriber then sends its last event).
+
+A live read may also be ended early by another greenlet (`LiveRead.end`: auth.py does,
+when its token is revoked): as the stop does, at the read's wait, but without a last
+event, and a long-poll answers 401 instead of 204.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -95,6 +100,48 @@ class LiveConnections:
         """Give the slot taken by `admit` back when the response is closed."""
         response.call_on_close(functools.partial(self.release, mode))
         return response
+
+
+class LiveReadEnded(Exception):
+    """Raised in a live read's greenlet, at its wait, once `LiveRead.end` was called."""
+
+
+class LiveRead:
+    """A long-poll or SSE response that another greenlet may end before its deadline.
+
+    The end is raised in the read's own greenlet, and only while it waits (for data, or
+    parked with the fan-out), as gevent's Timeout is raised into a wait: every wait
+    already leaves its stream as it found it when one is. Anywhere else the read meets
+    `ended` at its next wait, which raises at once.
+    """
+
+    __slots__ = ("greenlet", "waiting", "ended")
+
+    def __init__(self) -> None:
+        self.greenlet = gevent.getcurrent()
+        self.waiting = False
+        self.ended = False
+
+    def end(self) -> None:
+        """End the read at its wait; returns at once (the hub raises it, in a callback)."""
+        if not self.ended:
+            self.ended = True
+            gevent.get_hub().loop.run_callback(self._raise_at_wait)
+
+    def _raise_at_wait(self) -> None:
+        if self.waiting:  # else the read meets `ended` itself
+            self.greenlet.throw(LiveReadEnded())
+
+    @contextmanager
+    def interruptible(self) -> Iterator[None]:
+        """A wait `end` may cut short with LiveReadEnded (raised at once if ended)."""
+        if self.ended:
+            raise LiveReadEnded()
+        self.waiting = True
+        try:
+            yield
+        finally:
+            self.waiting = False
 
 
 def live_wait(
@@ -163,7 +210,12 @@ class EventStreams:
         self.fanout = Fanout(store, self.event, advanced_cursor, settings.long_poll_timeout)
 
     def response(
-        self, path: str, first: ReadResult, cursor: str, writer: DirectWriter | None
+        self,
+        path: str,
+        first: ReadResult,
+        cursor: str,
+        writer: DirectWriter | None,
+        live_read: LiveRead,
     ) -> EventStreamResponse:
         """The SSE response that starts with the read the view made to check its offset.
 
@@ -174,7 +226,7 @@ class EventStreams:
         base64_data = not is_json_type(content_type) and not content_type.startswith("text/")
         if base64_data:
             headers[SSE_DATA_ENCODING] = "base64"
-        events = self.events(path, first, cursor, base64_data, writer)
+        events = self.events(path, first, cursor, base64_data, writer, live_read)
         return EventStreamResponse(events, 200, headers)
 
     def event(
@@ -216,9 +268,10 @@ class EventStreams:
         cursor: str,
         base64_data: bool,
         writer: DirectWriter | None,
+        live_read: LiveRead,
     ) -> Generator[bytes, None, None]:
-        """Data events each followed by a control event, until closed, the deadline or
-        the worker's stop.
+        """Data events each followed by a control event, until closed, the deadline,
+        the worker's stop or the read's end (`live_read`).
 
         At the tail, with a server that offers its connection (`writer`), the stream's
         broadcaster writes the events (`Fanout`) until it hands the connection back.
@@ -240,7 +293,7 @@ class EventStreams:
                     follower = Follower(
                         writer, incarnation, offset, cursor, base64_data, writer.chunked
                     )
-                    if self.fanout.follow(path, follower, timeout):
+                    if self.follow(path, follower, timeout, live_read):
                         if follower.failed:
                             return
                         if follower.unsent:
@@ -250,11 +303,25 @@ class EventStreams:
                         offset, cursor = follower.offset, follower.cursor
                         if follower.timed_out:
                             timeout = 0.0  # the pass that ends the response, or a control event
-                info = live_wait(self.store, path, offset, timeout, incarnation)
+                with live_read.interruptible():
+                    info = live_wait(self.store, path, offset, timeout, incarnation)
                 cursor = advanced_cursor(cursor)
                 offset, event = self.event(path, info, offset, cursor, base64_data)
         except (StoreError, StorageUnavailable, OSError) as error:  # OSError: from send_rest
             log.info("SSE on %s ended: %s", path, error)
+        except LiveReadEnded:
+            log.info("SSE on %s ended early (its token was revoked)", path)
+
+    def follow(self, path: str, follower: Follower, timeout: float, live_read: LiveRead) -> bool:
+        """`Fanout.follow`, unless the read is ended meanwhile: then the rest of an event
+        the kernel took only part of goes out first, so the body ends with whole events."""
+        try:
+            with live_read.interruptible():
+                return self.fanout.follow(path, follower, timeout)
+        except LiveReadEnded:
+            if follower.unsent:
+                follower.writer.send_rest(follower.unsent)
+            raise
 
 
 def format_data_event(data: bytes, base64_data: bool) -> bytes:

@@ -5,6 +5,7 @@
 - `/metrics`: Prometheus text format (see metrics.py).
 - `/v1/streams?prefix=&after=&limit=`: the listing extension, paged JSON. It is not a
   stream path (those all start `/v1/stream/`), so it can never shadow one.
+- `POST /v1/revocations`: revoke tokens by `jti` or `sub` (revocations.py).
 - `/`: the web inspector, a static page from `static/`.
 """
 
@@ -17,9 +18,10 @@ import random
 import secrets
 
 import gevent
+import orjson
 from flask import Flask, Response, current_app, request
 
-from auth import allow_anonymous
+from auth import REVOCATIONS_KEY, allow_anonymous
 from logs import echo_and_log, start_request, use_json_logs, use_text_logs
 from metrics import (
     count_request_start,
@@ -37,6 +39,7 @@ from protocol import (
     parse_number,
     storage_unavailable_response,
 )
+from revocations import KINDS, RevocationRefused, Revocations
 from settings import Settings
 from storage import StreamStore
 from streams import StoreError, StreamGone, StreamInfo, StreamNotFound
@@ -47,6 +50,7 @@ READINESS_KEY = "streams"  # one HEAD (S3) or stat (disk) of the streams prefix
 DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1000
 MAX_PREFIX_BYTES = 1024
+MAX_REVOCATION_BODY_BYTES = 4096
 INSPECTOR_PAGE = "inspector.html"
 NOT_CACHED = {"Cache-Control": NO_STORE}  # what ops answers is true only now
 # Scripts and styles by this response's nonce alone: 'self' would trust every URL of
@@ -70,6 +74,7 @@ def register_operations(app: Flask, store: StreamStore, settings: Settings) -> N
     app.add_url_rule("/readyz", "readyz", readyz, methods=["GET", "HEAD"])
     app.add_url_rule("/metrics", "metrics", metrics_view, methods=["GET"])
     app.add_url_rule("/v1/streams", "list_streams", list_streams, methods=["GET"])
+    app.add_url_rule("/v1/revocations", "revoke", revoke, methods=["POST"])
     app.add_url_rule("/", "inspector", inspector, methods=["GET", "HEAD"])
     if store.settings.sweep_interval > 0:  # off by default on object stores: see create_store
         gevent.spawn(sweep_forever, store, store.settings.sweep_interval)
@@ -191,6 +196,48 @@ def format_stream(info: StreamInfo) -> dict[str, object]:
         "ttl": info.ttl,
         "expiresAt": info.expires_at,
     }
+
+
+def revoke() -> Response:
+    """`{"jti": …, "until": …}` or `{"sub": …, "until": …}`, until in unix seconds: refuse
+    that token, or that subject's tokens issued until now, everywhere within
+    PICOMQ_REVOCATION_INTERVAL. 201 with the revocation and when it was made."""
+    revocations: Revocations | None = current_app.extensions[REVOCATIONS_KEY]
+    if revocations is None:
+        return error_response(
+            409, "revocations_off", "this server checks no revocations: access control is off,"
+            " or PICOMQ_REVOCATION_INTERVAL is 0",
+        )  # fmt: skip
+    try:
+        kind, value, until = parse_revocation(request.get_data())
+        revocation = revocations.revoke(kind, value, until)
+    except BadRequest as error:
+        return error_response(400, "bad_request", str(error))
+    except RevocationRefused as error:
+        return error_response(400, error.code, str(error))
+    except StorageUnavailable:
+        return storage_unavailable_response()
+    return json_response({kind: value, "until": until, "at": revocation.at}, 201, NOT_CACHED)
+
+
+def parse_revocation(data: bytes) -> tuple[str, str, int]:
+    """The kind (jti or sub), its value and `until` of a revocation's JSON body."""
+    shape = 'the body must be {"jti": "…", "until": …} or {"sub": "…", "until": …}'
+    if len(data) > MAX_REVOCATION_BODY_BYTES:
+        raise BadRequest(f"the body is larger than {MAX_REVOCATION_BODY_BYTES} bytes")
+    try:
+        body = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        raise BadRequest(shape) from None
+    kinds = [kind for kind in KINDS if isinstance(body, dict) and kind in body]
+    if len(kinds) != 1 or set(body) != {kinds[0], "until"}:
+        raise BadRequest(shape)
+    kind, until = kinds[0], body["until"]
+    if not isinstance(body[kind], str):
+        raise BadRequest(f"{kind} must be a string")
+    if type(until) is not int:
+        raise BadRequest("until must be a whole number of unix seconds (the tokens' exp)")
+    return kind, body[kind], until
 
 
 def inspector() -> Response:

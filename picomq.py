@@ -22,10 +22,10 @@ from collections.abc import Callable, Iterable
 from flask import Flask, request
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
-from auth import register_auth
+from auth import refusal, register_auth, token_revoked, watch_request_token
 from fastpath import FastAppends
 from forwarding import Forwarder
-from live import EventStreams, LiveConnections, live_wait
+from live import EventStreams, LiveConnections, LiveRead, LiveReadEnded, live_wait
 from members import Membership, partition_of
 from metrics import MeasuredObjects, get_metrics
 from objectstore import StorageUnavailable
@@ -228,8 +228,8 @@ def create_app(settings: Settings, store: StreamStore | None = None) -> StreamAp
     app.config["MAX_CONTENT_LENGTH"] = settings.max_request_bytes
     app.url_map.merge_slashes = False
     app.url_map.strict_slashes = False
-    verifier = register_auth(app, settings)
     store = store or create_store(settings)
+    verifier = register_auth(app, settings, store.objects)
     app.extensions["picomq.store"] = store
     views = StreamViews(store, settings)
     app.add_url_rule(
@@ -463,12 +463,17 @@ class StreamViews:
                 503, "too_many_live_connections", "this worker serves its most live reads; retry",
                 {"Retry-After": RETRY_AFTER_SECONDS},
             )  # fmt: skip
+        live_read = LiveRead()
+        stop_watching = watch_request_token(live_read.end)  # ends it if the token is revoked
         try:
             view = self.long_poll if live == "long-poll" else self.sse
-            return self.live_connections.hold_until_closed(view(path, offset_text), live)
+            response = view(path, offset_text, live_read)
         except BaseException:
-            self.live_connections.release(live)  # no response will be closed to release it
+            stop_watching()  # no response will be closed to release the slot and the watch
+            self.live_connections.release(live)
             raise
+        response.call_on_close(stop_watching)
+        return self.live_connections.hold_until_closed(response, live)
 
     def start_of_live_read(self, path: str, offset_text: str) -> tuple[int, str | None]:
         """Where a live read starts, and the incarnation it must stay on, if known.
@@ -504,11 +509,15 @@ class StreamViews:
             return Response(status=304, headers=headers)
         return Response(result.chunks, 200, headers)
 
-    def long_poll(self, path: str, offset_text: str) -> Response:
+    def long_poll(self, path: str, offset_text: str, live_read: LiveRead) -> Response:
         position, incarnation = self.start_of_live_read(path, offset_text)
         cursor = {CURSOR: next_cursor(request.args.get("cursor"))}
         timeout = self.settings.long_poll_timeout
-        info = live_wait(self.store, path, position, timeout, incarnation)
+        try:
+            with live_read.interruptible():
+                info = live_wait(self.store, path, position, timeout, incarnation)
+        except LiveReadEnded:
+            return refusal(token_revoked())
         if info.tail > position:
             result = self.store.read(path, position, incarnation=info.incarnation, after_wait=True)
             return self.read_response(result, cursor)
@@ -516,14 +525,14 @@ class StreamViews:
         headers.update({UP_TO_DATE: "true", "Cache-Control": NO_STORE, **cursor})
         return Response(status=204, headers=headers)
 
-    def sse(self, path: str, offset_text: str) -> Response:
+    def sse(self, path: str, offset_text: str, live_read: LiveRead) -> Response:
         requested, incarnation = self.start_of_live_read(path, offset_text)
         # A bad offset is a 400, before the 200; one inside an append starts at the append.
         # The response's first event is made of this read.
         first = self.store.read(path, requested, incarnation=incarnation)
         cursor = next_cursor(request.args.get("cursor"))  # a malformed one: 400, before the 200
         writer = request.environ.get(DIRECT_WRITER_ENVIRON_KEY)
-        return self.event_streams.response(path, first, cursor, writer)
+        return self.event_streams.response(path, first, cursor, writer, live_read)
 
 
 if __name__ == "__main__":  # `python -m picomq <command>`: the operator commands in cli.py

@@ -8,7 +8,9 @@ settings table is checked against `SETTINGS` by the tests.
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -22,6 +24,8 @@ MIN_JWT_SECRET_BYTES = 32  # HS256: a key at least as long as the hash (RFC 7518
 MIN_RSA_KEY_BITS = 2048
 MAX_JSON_DEPTH = 200  # well below the 1,000 levels at which msgspec stops parsing
 MAX_REQUEST_BYTES = 1024**3  # a segment's positions are u32 (segments.py)
+MAX_KEYS = 8  # verification keys at once: the ones in use, and those being rotated in or out
+KEY_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -93,12 +97,55 @@ def _optional_text(text: str) -> str | None:
     return text.strip() or None
 
 
-def _optional_jwt_secret(text: str) -> str | None:
+@dataclass(frozen=True)
+class NamedKey:
+    """One key that verifies tokens, and the id (`kid`) tokens name it by: None in the
+    single-key form, where a token's kid is not looked at."""
+
+    kid: str | None
+    text: str  # an HS256 secret, or a public key's PEM text
+
+
+def parse_key_set(text: str, parse_key: Callable[[str], str]) -> tuple[NamedKey, ...]:
+    """One key, or a set of them: a value that starts with `{` is a JSON object of key
+    ids to keys (`{"2026-05": "…", "2026-01": "…"}`), at most MAX_KEYS, whose first key
+    also verifies tokens that name none. Each key goes through `parse_key`.
+
+    Error messages name key ids, never a key, so that secrets stay out of the logs.
+    """
     if not text:
-        return None
+        return ()
+    if not text.lstrip().startswith("{"):
+        return (NamedKey(None, parse_key(text)),)
+    try:
+        pairs = json.loads(text, object_pairs_hook=list)
+    except ValueError:
+        raise ValueError("starts with { but is not a JSON object of key ids to keys") from None
+    if not 1 <= len(pairs) <= MAX_KEYS:
+        raise ValueError(f"must name 1 to {MAX_KEYS} keys")
+    if len({kid for kid, _ in pairs}) != len(pairs):
+        raise ValueError("names a key id twice")
+    keys = []
+    for kid, key in pairs:
+        if not KEY_ID.fullmatch(kid):
+            raise ValueError(f"key ids are 1 to 64 of A-Z a-z 0-9 . _ - (not {kid!r})")
+        if not isinstance(key, str):
+            raise ValueError(f"key {kid}: must be a JSON string")
+        try:
+            keys.append(NamedKey(kid, parse_key(key)))
+        except ValueError as error:
+            raise ValueError(f"key {kid}: {error}") from None
+    return tuple(keys)
+
+
+def _jwt_secret(text: str) -> str:
     if len(text.encode()) < MIN_JWT_SECRET_BYTES:
         raise ValueError(f"must be at least {MIN_JWT_SECRET_BYTES} bytes")
     return text
+
+
+def _jwt_secrets(text: str) -> tuple[NamedKey, ...]:
+    return parse_key_set(text, _jwt_secret)
 
 
 def read_pem(text: str) -> str:
@@ -108,10 +155,8 @@ def read_pem(text: str) -> str:
     return text if text.lstrip().startswith("-----BEGIN") else Path(text.strip()).read_text()
 
 
-def _optional_public_key(text: str) -> str | None:
+def _public_key(text: str) -> str:
     """PEM text, or the path of a PEM file; an Ed25519 or RSA (2048 bits or more) public key."""
-    if not text.strip():
-        return None
     try:
         pem = read_pem(text)
         key = load_pem_public_key(pem.encode())
@@ -122,6 +167,10 @@ def _optional_public_key(text: str) -> str | None:
     if isinstance(key, Ed25519PublicKey):
         return pem
     raise ValueError(f"must be an Ed25519 key or an RSA key of {MIN_RSA_KEY_BITS} bits or more")
+
+
+def _public_keys(text: str) -> tuple[NamedKey, ...]:
+    return parse_key_set(text, _public_key)
 
 
 def _networks(text: str) -> tuple[Network, ...]:
@@ -231,21 +280,31 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "jwt_secret",
         "",
-        _optional_jwt_secret,
-        "HS256 key (32 bytes or more) that turns access control on; empty: off (see README).",
+        _jwt_secrets,
+        "HS256 key (32 bytes or more) that turns access control on, or a JSON object of key"
+        " ids (kid) to keys; empty: off (see README).",
         secret=True,
     ),
     Setting(
         "jwt_public_key",
         "",
-        _optional_public_key,
-        "Ed25519 or RSA public key, PEM text or a PEM file's path, that turns access control on.",
+        _public_keys,
+        "Ed25519 or RSA public key, PEM text or a PEM file's path, that turns access control"
+        " on, or a JSON object of key ids (kid) to such keys.",
     ),
     Setting(
         "jwt_audience",
         "",
         _optional_text,
         "When set, tokens must carry this aud claim; empty: aud is not checked.",
+    ),
+    Setting(
+        "revocation_interval",
+        "5",
+        _non_negative_float,
+        "Seconds, plus one storage listing, within which every worker and node refuses a"
+        " revoked token (each lists the revocations once per interval while it serves"
+        " tokens); 0: revocations are not checked.",
     ),
     Setting(
         "webhook_allowed_networks",
@@ -373,9 +432,10 @@ class Settings:
     max_header_bytes: int
     max_headers: int
     max_live_connections: int
-    jwt_secret: str | None
-    jwt_public_key: str | None
+    jwt_secret: tuple[NamedKey, ...]
+    jwt_public_key: tuple[NamedKey, ...]
     jwt_audience: str | None
+    revocation_interval: float
     webhook_allowed_networks: tuple[Network, ...]
     webhook_timeout: float
     peer_host: str

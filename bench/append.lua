@@ -1,6 +1,7 @@
 -- wrk script for bench/compare.py: POST the same JSON body to BENCH_STREAMS streams named
 -- BENCH_PREFIX0, BENCH_PREFIX1, ... in turn (one stream when BENCH_STREAMS is 1), with
--- BENCH_CONTENT_TYPE (default application/json) as its Content-Type.
+-- BENCH_CONTENT_TYPE (default application/json) as its Content-Type, and BENCH_TOKEN (if
+-- set) as a bearer token.
 --
 --   BENCH_BODY_FILE=body.json BENCH_STREAMS=1000 BENCH_PREFIX=/v1/stream/bench/s \
 --     wrk -t1 -c64 -d10s -s append.lua http://127.0.0.1:4437
@@ -26,6 +27,10 @@ end
 
 function init(args)
   local headers = { ["Content-Type"] = os.getenv("BENCH_CONTENT_TYPE") or "application/json" }
+  local token = os.getenv("BENCH_TOKEN")
+  if token then
+    headers["Authorization"] = "Bearer " .. token
+  end
   for n = 0, stream_count - 1 do
     prepared[n + 1] = wrk.format("POST", prefix .. n, headers, body)
   end

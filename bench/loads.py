@@ -201,6 +201,7 @@ class Posts:
     streams: int
     connections: int
     content_type: str = JSON_TYPE
+    token: str | None = None  # sent as a bearer token, when tokens are checked
 
     @staticmethod
     def single(streams: int, connections: int) -> Posts:
@@ -222,6 +223,7 @@ def run_wrk(target: Target, options: Options, posts: Posts) -> dict:
         "BENCH_STREAMS": str(posts.streams),
         "BENCH_PREFIX": f"{STREAM_PREFIX}s",
         "BENCH_CONTENT_TYPE": posts.content_type,
+        **({"BENCH_TOKEN": posts.token} if posts.token else {}),
     }
     command = [
         "wrk",

@@ -634,6 +634,96 @@ def test_rsa_public_key_as_pem_text_with_audience(start_server: StartServer) -> 
         assert_refused(requests.head(url, headers=bearer(token)), 401, "invalid_token")
 
 
+# -- several keys, chosen by kid ---------------------------------------------------------
+
+NEW_SECRET, OLD_SECRET = "new-secret-" + "n" * 40, "old-secret-" + "o" * 40
+
+
+def signed(key: object, algorithm: str = "HS256", kid: str | None = None, **claims: object) -> str:
+    body = {"scope": EVERYTHING, "exp": int(time.time()) + 600, **claims}
+    headers = {"kid": kid} if kid is not None else None
+    return jwt.encode(body, key, algorithm=algorithm, headers=headers)
+
+
+def head_status(server: Server, token: str) -> int:
+    return requests.head(server.stream_url(fresh("kid")), headers=bearer(token)).status_code
+
+
+def test_secrets_rotate_by_kid_and_a_retired_key_s_tokens_get_401(
+    start_server: StartServer,
+) -> None:
+    both = json.dumps({"2026-05": NEW_SECRET, "2026-01": OLD_SECRET})
+    rotating = start_server(env={"PICOMQ_JWT_SECRET": both})
+    assert head_status(rotating, signed(NEW_SECRET, kid="2026-05")) == 404  # let in
+    assert head_status(rotating, signed(OLD_SECRET, kid="2026-01")) == 404
+    assert head_status(rotating, signed(NEW_SECRET)) == 404  # no kid: the first key
+    for refused in (
+        signed(OLD_SECRET),
+        signed(OLD_SECRET, kid="2026-05"),
+        signed(NEW_SECRET, kid="2026-01"),
+        signed(NEW_SECRET, kid="2025-09"),
+    ):
+        assert head_status(rotating, refused) == 401
+    retired = start_server(env={"PICOMQ_JWT_SECRET": json.dumps({"2026-05": NEW_SECRET})})
+    assert head_status(retired, signed(NEW_SECRET, kid="2026-05")) == 404
+    old = signed(OLD_SECRET, kid="2026-01")
+    response = requests.get(retired.stream_url("any"), headers=bearer(old))
+    assert_refused(response, 401, "invalid_token")
+    assert "kid" in response.json()["error"]["message"]
+
+
+def test_public_keys_of_both_kinds_rotate_by_kid(start_server: StartServer) -> None:
+    ed_private, ed_public = pem_pair(Ed25519PrivateKey.generate())
+    rsa_private, rsa_public = pem_pair(generate_private_key(public_exponent=65537, key_size=2048))
+    keys = json.dumps({"ed": ed_public, "rsa": rsa_public})
+    server = start_server(env={"PICOMQ_JWT_PUBLIC_KEY": keys})
+    assert head_status(server, signed(ed_private, "EdDSA", kid="ed")) == 404
+    assert head_status(server, signed(rsa_private, "RS256", kid="rsa")) == 404
+    assert head_status(server, signed(ed_private, "EdDSA")) == 404
+    assert head_status(server, signed(rsa_private, "RS256", kid="ed")) == 401
+    assert head_status(server, signed(rsa_private, "RS256")) == 401
+
+
+def test_the_single_key_form_looks_at_no_kid(auth_server: Server) -> None:
+    assert head_status(auth_server, signed(SECRET, kid="whatever-the-backend-says")) == 404
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("{", "not a JSON object"),
+        ("{}", "1 to 8 keys"),
+        (json.dumps({str(n): SECRET for n in range(9)}), "1 to 8 keys"),
+        ('{"a": "' + SECRET + '", "a": "' + SECRET + '"}', "twice"),
+        (json.dumps({"a b": SECRET}), "key ids are"),
+        (json.dumps({"a": 7}), "key a: must be a JSON string"),
+        (json.dumps({"a": SECRET, "b": "short"}), "key b: must be at least 32 bytes"),
+    ],
+)
+def test_bad_key_sets_stop_the_boot_naming_the_key(value: str, message: str) -> None:
+    with pytest.raises(SettingsError, match=message) as failure:
+        Settings.from_environment({"PICOMQ_JWT_SECRET": value})
+    assert SECRET not in str(failure.value) and "short" not in str(failure.value)
+
+
+def test_a_public_key_set_names_the_key_that_is_not_one() -> None:
+    keys = json.dumps({"good": pem_pair(Ed25519PrivateKey.generate())[1], "bad": "/no/such.pem"})
+    with pytest.raises(SettingsError, match="key bad: not a readable PEM public key"):
+        Settings.from_environment({"PICOMQ_JWT_PUBLIC_KEY": keys})
+
+
+def test_token_command_signs_with_the_first_key_of_a_set(start_server: StartServer) -> None:
+    both = json.dumps({"2026-05": NEW_SECRET, "2026-01": OLD_SECRET})
+    result = run_token_command("--scope", "read:**", env={"PICOMQ_JWT_SECRET": both})
+    assert result.returncode == 0, result.stderr
+    token = result.stdout.strip()
+    assert jwt.get_unverified_header(token)["kid"] == "2026-05"
+    claims = jwt.decode(token, NEW_SECRET, algorithms=["HS256"])
+    assert len(claims["jti"]) >= 16  # so it can be revoked alone
+    retired = start_server(env={"PICOMQ_JWT_SECRET": json.dumps({"2026-01": OLD_SECRET})})
+    assert head_status(retired, token) == 401
+
+
 # -- settings ---------------------------------------------------------------------------
 
 
@@ -747,6 +837,10 @@ def test_token_command_signs_with_a_private_key_file(tmp_path: Path) -> None:
     claims = jwt.decode(result.stdout.strip(), public_pem, algorithms=["EdDSA"])
     assert claims["scope"] == "append:jobs/**"
     assert claims["exp"] - claims["iat"] == 900
+    named = run_token_command(
+        "--scope", "read:x", "--private-key", str(key_file), "--kid", "ed-2026", env={}
+    )
+    assert jwt.get_unverified_header(named.stdout.strip())["kid"] == "ed-2026"
 
 
 @pytest.mark.parametrize(
