@@ -1,4 +1,5 @@
-"""Real servers for the tests: PicoMQ under gunicorn (gunicorn.conf.py), `moto_server` for S3.
+"""Real servers for the tests: PicoMQ under gunicorn (gunicorn.conf.py), `moto_server` for S3,
+nginx with the shipped site in front of one PicoMQ or several.
 
 Each server runs in its own process group on a free 127.0.0.1 port, with its output in a
 log file. Readiness is polled with a deadline; a server that exits or never answers fails
@@ -10,9 +11,11 @@ from __future__ import annotations
 import ctypes
 import http.client
 import os
+import shutil
 import sys
+import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -21,11 +24,13 @@ import processes
 import pytest
 import requests
 from faultproxy import FaultProxy, Record
+from nginx_site import nginx_config, site_for
 
 REPO_DIR = Path(__file__).resolve().parent.parent
 BIN_DIR = Path(sys.executable).parent
 READINESS_PATH = "/v1/stream/__readiness-probe"
 DEFAULT_LONG_POLL_TIMEOUT = 0.5
+NGINX_LOG_DEADLINE_SECONDS = 10
 
 
 def kernel_watches_directories() -> bool:
@@ -240,6 +245,71 @@ def start_moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[]
     yield start
     for managed in started:
         managed.stop()
+
+
+@dataclass
+class Nginx:
+    """A running nginx: `url` is its base URL; its logs are in `base_dir`."""
+
+    url: str
+    base_dir: Path
+    managed: ManagedProcess
+
+    def access_lines(self, naming: str, count: int = 1) -> list[str]:
+        """The lines of its access log that contain `naming`, once there are `count`.
+
+        A line (request id, status, URI, the upstream that answered and the client
+        connection's number: nginx_site.py) is written after the response is sent, so
+        this waits for them, at most NGINX_LOG_DEADLINE_SECONDS.
+        """
+        deadline = time.monotonic() + NGINX_LOG_DEADLINE_SECONDS
+        while True:
+            log = (self.base_dir / "access.log").read_text().splitlines()
+            lines = [line for line in log if naming in line]
+            if len(lines) >= count or time.monotonic() > deadline:
+                return lines
+            time.sleep(0.05)
+
+
+StartNginx = Callable[[Sequence[Server]], Nginx]
+
+
+def make_nginx(base_dir: Path, servers: Sequence[Server]) -> Nginx:
+    """nginx (not yet started) on a free port, the shipped site in front of `servers`,
+    taking them in turn; its configuration and logs under base_dir."""
+    executable = shutil.which("nginx") or "/usr/sbin/nginx"
+    if not Path(executable).exists():
+        pytest.fail("nginx not found: run ./test.sh (installs it as root on Debian)")
+    port = processes.free_port()
+    picomq_ports = [server.managed.port for server in servers]
+    config = nginx_config(base_dir, site_for(picomq_ports, port), port)
+    managed = ManagedProcess(
+        name="nginx",
+        command=[executable, "-c", str(config), "-p", str(base_dir)],
+        cwd=base_dir,
+        env=dict(os.environ),
+        log_path=base_dir / "nginx.out",
+        port=port,
+        readiness_path="/healthz",
+    )
+    return Nginx(f"http://127.0.0.1:{port}", base_dir, managed)
+
+
+@pytest.fixture
+def start_nginx(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StartNginx]:
+    """Factory: `start_nginx(servers)` starts an nginx in front of the running servers and
+    returns it once it answers HTTP. Every nginx started is stopped at the end of the test."""
+    started: list[Nginx] = []
+
+    def start(servers: Sequence[Server]) -> Nginx:
+        nginx = make_nginx(tmp_path_factory.mktemp("nginx"), servers)
+        started.append(nginx)
+        nginx.managed.start()
+        return nginx
+
+    yield start
+    for nginx in started:
+        nginx.managed.stop()
 
 
 @dataclass

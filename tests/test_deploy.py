@@ -1,5 +1,6 @@
 """deploy/: the nginx site in front of a real PicoMQ (SSE events pass unbuffered, long-poll
-and request ids pass through, metrics stay local) and the systemd unit's stop timeout.
+and request ids pass through, metrics stay local), in front of two (each request goes to
+the next) and the systemd unit's stop timeout.
 
 Needs Debian's nginx (test.sh installs it as root on Debian).
 """
@@ -7,94 +8,36 @@ Needs Debian's nginx (test.sh installs it as root on Debian).
 from __future__ import annotations
 
 import configparser
-import os
-import shutil
-from collections.abc import Iterator
+import json
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 import requests
-from conftest import REPO_DIR, ManagedProcess
-from processes import free_port
+from conftest import REPO_DIR
+from nginx_site import DEPLOY_DIR
 
 if TYPE_CHECKING:
-    from conftest import Server
+    from conftest import Nginx, Server, StartNginx, StartServer
 
-DEPLOY_DIR = REPO_DIR / "deploy"
 JSON = "application/json"
 READ_TIMEOUT_SECONDS = 10  # far below the SSE response's own 60 s: buffering would show
-
-
-def nginx_config(base_dir: Path, site: str, port: int) -> Path:
-    """A main nginx.conf, all under base_dir, that includes the site as shipped."""
-    for name in ("body", "proxy", "fastcgi", "uwsgi", "scgi"):
-        (base_dir / name).mkdir()
-    (base_dir / "site.conf").write_text(site)
-    user = "user root;" if os.geteuid() == 0 else ""
-    config = base_dir / "nginx.conf"
-    config.write_text(f"""
-{user}
-daemon off;
-worker_processes 1;
-pid {base_dir}/nginx.pid;
-error_log {base_dir}/error.log;
-events {{ worker_connections 256; }}
-http {{
-    log_format ids '$request_id $status $request_uri';
-    access_log {base_dir}/access.log ids;
-    client_body_temp_path {base_dir}/body;
-    proxy_temp_path {base_dir}/proxy;
-    fastcgi_temp_path {base_dir}/fastcgi;
-    uwsgi_temp_path {base_dir}/uwsgi;
-    scgi_temp_path {base_dir}/scgi;
-    include {base_dir}/site.conf;
-}}
-""")
-    return config
-
-
-def site_for(picomq_port: int, port: int) -> str:
-    """The shipped site with only its addresses changed to this test's ports."""
-    site = (DEPLOY_DIR / "nginx-picomq.conf").read_text()
-    for old, new in (
-        ("server 127.0.0.1:4437;", f"server 127.0.0.1:{picomq_port};"),
-        ("listen 80;", f"listen 127.0.0.1:{port};"),
-        ("listen [::]:80;", ""),
-    ):
-        assert site.count(old) == 1, old
-        site = site.replace(old, new)
-    return site
+APPENDS_IN_TURN = 6
+LOG_DEADLINE_SECONDS = 10
 
 
 @pytest.fixture
-def proxied(server: Server, tmp_path: Path) -> Iterator[tuple[Server, str]]:
-    """The session's PicoMQ behind the shipped nginx site; yields it and nginx's URL."""
-    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
-    if not Path(nginx).exists():
-        pytest.fail("nginx not found: run ./test.sh (installs it as root on Debian)")
-    port = free_port()
-    picomq_port = int(server.url.rsplit(":", 1)[1])
-    config = nginx_config(tmp_path, site_for(picomq_port, port), port)
-    managed = ManagedProcess(
-        name="nginx",
-        command=[nginx, "-c", str(config), "-p", str(tmp_path)],
-        cwd=tmp_path,
-        env=dict(os.environ),
-        log_path=tmp_path / "nginx.out",
-        port=port,
-        readiness_path="/healthz",
-    )
-    managed.start()
-    yield server, f"http://127.0.0.1:{port}"
-    managed.stop()
+def proxied(server: Server, start_nginx: StartNginx) -> tuple[Server, Nginx]:
+    """The session's PicoMQ behind the shipped nginx site."""
+    return server, start_nginx([server])
 
 
 def test_sse_events_pass_through_nginx_unbuffered(
-    proxied: tuple[Server, str], unique_stream: str
+    proxied: tuple[Server, Nginx], unique_stream: str
 ) -> None:
-    server, proxy = proxied
-    url = f"{proxy}/v1/stream/{unique_stream}"
+    _, nginx = proxied
+    url = f"{nginx.url}/v1/stream/{unique_stream}"
     assert requests.put(url, headers={"Content-Type": JSON}, timeout=10).status_code == 201
     with requests.get(
         url, params={"offset": "-1", "live": "sse"}, stream=True, timeout=READ_TIMEOUT_SECONDS
@@ -110,27 +53,71 @@ def test_sse_events_pass_through_nginx_unbuffered(
 
 
 def test_long_poll_and_request_ids_pass_through_nginx(
-    proxied: tuple[Server, str], unique_stream: str, tmp_path: Path
+    proxied: tuple[Server, Nginx], unique_stream: str
 ) -> None:
-    server, proxy = proxied
-    url = f"{proxy}/v1/stream/{unique_stream}"
+    _, nginx = proxied
+    url = f"{nginx.url}/v1/stream/{unique_stream}"
     requests.put(url, headers={"Content-Type": JSON}, timeout=10)
     requests.post(url, data=b"[1]", headers={"Content-Type": JSON}, timeout=10)
     answer = requests.get(url, params={"offset": "-1", "live": "long-poll"}, timeout=10)
     assert answer.status_code == 200 and answer.json() == [1]
     generated = answer.headers["X-Request-Id"]
-    logged = (tmp_path / "access.log").read_text().splitlines()
+    logged = nginx.access_lines(naming=generated)
     assert any(line.startswith(f"{generated} 200 ") for line in logged)  # nginx's own id
-    given = requests.get(f"{proxy}/healthz", headers={"X-Request-Id": "abc-123"}, timeout=10)
+    given = requests.get(f"{nginx.url}/healthz", headers={"X-Request-Id": "abc-123"}, timeout=10)
     assert given.headers["X-Request-Id"] == "abc-123"
 
 
-def test_metrics_are_served_to_this_machine_only(proxied: tuple[Server, str]) -> None:
-    _, proxy = proxied
-    response = requests.get(f"{proxy}/metrics", timeout=10)
+def test_metrics_are_served_to_this_machine_only(proxied: tuple[Server, Nginx]) -> None:
+    _, nginx = proxied
+    response = requests.get(f"{nginx.url}/metrics", timeout=10)
     assert response.status_code == 200  # the test connects from 127.0.0.1
     assert "picomq_reads_total" in response.text
     assert "deny all;" in (DEPLOY_DIR / "nginx-picomq.conf").read_text()
+
+
+def test_nginx_sends_each_request_of_one_connection_to_the_next_node(
+    start_server: StartServer, start_nginx: StartNginx, tmp_path: Path, unique_stream: str
+) -> None:
+    shared_data_dir = str(tmp_path / "shared")  # two nodes on one store
+    nodes = [start_server(storage_url=shared_data_dir) for _ in range(2)]
+    nginx = start_nginx(nodes)
+    url = f"{nginx.url}/v1/stream/{unique_stream}"
+    request_ids = [f"append-{number}" for number in range(APPENDS_IN_TURN)]
+    with requests.Session() as client:  # one keep-alive connection to nginx
+        assert client.put(url, headers={"Content-Type": JSON}, timeout=10).status_code == 201
+        for number, request_id in enumerate(request_ids):
+            headers = {"Content-Type": JSON, "X-Request-Id": request_id}
+            response = client.post(url, data=f"[{number}]", headers=headers, timeout=10)
+            assert response.status_code == 204, response.text
+    logged = nginx.access_lines(naming=unique_stream, count=1 + len(request_ids))
+    assert len({line.split()[-1] for line in logged}) == 1, logged  # one client connection
+    answered = wait_until_logged(nodes, request_ids)
+    assert sorted(answered) == [request_ids[0::2], request_ids[1::2]], answered
+
+
+def wait_until_logged(nodes: list[Server], request_ids: list[str]) -> list[list[str]]:
+    """For each node, which of these requests its own access log names, in order.
+
+    A line is written once its answer is sent: this waits until every request is logged
+    by one node or another, for at most LOG_DEADLINE_SECONDS.
+    """
+    deadline = time.monotonic() + LOG_DEADLINE_SECONDS
+    while True:
+        answered = [requests_logged(node, set(request_ids)) for node in nodes]
+        if sum(map(len, answered)) >= len(request_ids) or time.monotonic() > deadline:
+            return answered
+        time.sleep(0.05)
+
+
+def requests_logged(node: Server, request_ids: set[str]) -> list[str]:
+    """The ids of these requests in the node's access lines (JSON, among gunicorn's own)."""
+    entries = [json.loads(line) for line in node.output().splitlines() if line.startswith("{")]
+    return [
+        entry["request_id"]
+        for entry in entries
+        if entry["message"] == "request" and entry.get("request_id") in request_ids
+    ]
 
 
 def test_systemd_waits_longer_than_gunicorns_graceful_stop() -> None:
