@@ -11,6 +11,12 @@ When the owner does not answer, its heartbeat decides: a dead owner's partition 
 claimed here and the request served here; a live one unreachable is a 503 with
 Retry-After. An owner that no longer owns the partition answers 421, and the claims
 are read again once.
+
+A subscription (`__ds/subscriptions/<id>/...`) is served as a stream is, by the member
+that serves its key (protocol.subscription_key): its wakes, leases and tokens live in
+that one process (subscriptions.py). A forwarded subscription request that reaches a
+member that does not serve it is answered 421, so no process answers from a view of a
+subscription another has taken over.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import urllib3
 
 from members import Membership, Owner
 from objectstore import StorageUnavailable
-from protocol import RETRY_AFTER_SECONDS, STREAM_PREFIX, is_reserved
+from protocol import RETRY_AFTER_SECONDS, STREAM_PREFIX, is_reserved, reserved_route_key
 from wakeups import when_waits_end
 from wire import error_body
 
@@ -58,21 +64,27 @@ class Forwarder:
         when_waits_end(self.end_relays)
 
     def __call__(self, environ: dict, start_response: Callable) -> Iterable[bytes] | None:
-        if not self.membership.started or FORWARDED_KEY in environ:
-            return None  # served where it landed: forwarded once already, or alone
+        if not self.membership.started:
+            return None  # served where it landed: this process serves everything alone
         path_info = environ.get("PATH_INFO", "")
         if not path_info.startswith(STREAM_PREFIX):
             return None
         path = path_info[len(STREAM_PREFIX) :]
-        if is_reserved(path):
-            return None  # the subscription routes serve from every member
+        key = reserved_route_key(path) if is_reserved(path) else path
+        if key is None:
+            return None  # answered alike by every member
+        forwarded = FORWARDED_KEY in environ
+        if forwarded and key == path:
+            return None  # a stream request forwarded once already: served here
         try:
-            owner = self.membership.owner_for(path)
+            owner = self.membership.owner_for(key)
         except StorageUnavailable as error:
             return unavailable(start_response, f"who serves this stream is unknown: {error}")
         if owner is None:
             return None
-        return self.forward(environ, start_response, path, owner)
+        if forwarded:  # a subscription's wakes live with its owner alone: not here
+            return misdirected(start_response)
+        return self.forward(environ, start_response, key, owner)
 
     def forward(
         self, environ: dict, start_response: Callable, path: str, owner: Owner
@@ -103,6 +115,22 @@ class Forwarder:
         return unavailable(start_response, "the stream's server keeps moving; retry")
 
     def _send(self, environ: dict, body: bytes, owner: Owner) -> urllib3.BaseHTTPResponse:
+        headers = request_headers(environ, len(body))
+        return self.send(
+            owner, environ["REQUEST_METHOD"], target(environ), headers, body, self.timeout
+        )
+
+    def send(
+        self,
+        owner: Owner,
+        method: str,
+        request_target: str,
+        headers: dict[str, str],
+        body: bytes,
+        timeout: urllib3.Timeout,
+    ) -> urllib3.BaseHTTPResponse:
+        """One request to `owner`'s peer listener, on a kept-alive connection; the answer
+        unread. Raises urllib3's HTTPError when it cannot be sent or answered in time."""
         pool = self.pools.get(owner.address)
         if pool is None:
             host, _, port = owner.address.rpartition(":")
@@ -111,9 +139,8 @@ class Forwarder:
             )
             self.pools[owner.address] = pool
         return pool.urlopen(
-            environ["REQUEST_METHOD"], target(environ), body=body or None,
-            headers=request_headers(environ, len(body)), retries=False, redirect=False,
-            timeout=self.timeout, preload_content=False, decode_content=False,
+            method, request_target, body=body or None, headers=headers, retries=False,
+            redirect=False, timeout=timeout, preload_content=False, decode_content=False,
         )  # fmt: skip
 
     def _relay(self, answer: urllib3.BaseHTTPResponse, start_response: Callable) -> Iterator[bytes]:
@@ -174,6 +201,17 @@ def read_body(environ: dict, most: int) -> bytes:
         chunks.append(chunk)
         received += len(chunk)
     return b"".join(chunks)
+
+
+def misdirected(start_response: Callable) -> list[bytes]:
+    """421: this member does not serve the request's subscription (any more); the member
+    that forwarded it reads the claims again and sends it to the one that does."""
+    body = error_body("misdirected", "another member serves this; ask again")
+    start_response(
+        "421 MISDIRECTED REQUEST",
+        [("Content-Type", "application/json"), ("Content-Length", str(len(body)))],
+    )
+    return [body]
 
 
 def unavailable(start_response: Callable, message: str) -> list[bytes]:
