@@ -30,6 +30,7 @@ from members import Membership, partition_of
 from metrics import MeasuredObjects, get_metrics
 from objectstore import StorageUnavailable
 from ops import register_operations
+from peers import Peers
 from protocol import (
     CACHEABLE,
     CLOSED,
@@ -228,18 +229,21 @@ def create_app(settings: Settings, store: StreamStore | None = None) -> StreamAp
         views.dispatch,
         methods=["GET", "HEAD", "PUT", "POST", "DELETE", "OPTIONS"],
     )
-    register_subscriptions(app, store, settings)
+    membership, app.forwarder = serve_as_member(app, store, settings)
+    peers = Peers(membership, app.forwarder, store.objects)
+    subscriptions = register_subscriptions(app, store, settings, membership, peers)
+    membership.busy = lambda: views.live_connections.busy() or subscriptions.busy()
     register_operations(app, store, settings)
     register_common_answers(app)
     app.fast_path = FastAppends(store, settings, verifier)
-    app.forwarder = serve_as_member(app, store, settings, views)
     return app
 
 
 def serve_as_member(
-    app: StreamApp, store: StreamStore, settings: Settings, views: StreamViews
-) -> Forwarder:
-    """Serve only the streams this process owns, forwarding the others (members.py).
+    app: StreamApp, store: StreamStore, settings: Settings
+) -> tuple[Membership, Forwarder]:
+    """Serve only the streams and subscriptions this process owns, forwarding the others
+    (members.py). While live reads or wakes are out, the member keeps its heartbeat.
 
     The membership starts when the worker knows its peer address (gunicorn.conf.py's
     post_worker_init); until then, as under another WSGI server, this process serves
@@ -253,9 +257,8 @@ def serve_as_member(
             lambda path: partition_of(path) == partition, moved=not ours
         )
     )
-    membership.busy = views.live_connections.busy
     live_seconds = max(settings.long_poll_timeout, settings.sse_max_duration)
-    return Forwarder(membership, settings.max_request_bytes, live_seconds)
+    return membership, Forwarder(membership, settings.max_request_bytes, live_seconds)
 
 
 def register_common_answers(app: Flask) -> None:
