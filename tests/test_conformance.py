@@ -7,6 +7,7 @@ older than package-lock.json. Deselect with `-m "not conformance"`.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -92,8 +93,15 @@ RETENTION = {"PICOMQ_RETENTION_AGE": "86400", "PICOMQ_RETENTION_BYTES": str(1 <<
 WEBHOOKS_TO_LOOPBACK = {"PICOMQ_WEBHOOK_ALLOWED_NETWORKS": "127.0.0.1/32"}
 
 
+# Several workers, and two nodes on one bucket that nginx takes in turn, request by
+# request: every request about a stream or a subscription may reach a process that does
+# not serve it, and is forwarded to the one that does.
+BACKENDS = ["local", "s3", "local-with-retention", "local-2-workers", "local-4-workers",
+            "s3-2-nodes"]  # fmt: skip
+
+
 @pytest.mark.conformance
-@pytest.mark.parametrize("backend", ["local", "s3", "local-with-retention"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_conformance_suite(
     backend: str, start_server: StartServer, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
@@ -102,23 +110,11 @@ def test_conformance_suite(
         "(Debian: apt-get install nodejs npm) to run the conformance suite"
     )
     npm_ci(CONFORMANCE_DIR)
-    if backend == "s3":  # a fresh bucket on the session's moto_server
-        storage = request.getfixturevalue("s3_storage")
-        server = start_server(
-            long_poll_timeout=LONG_POLL_TIMEOUT,
-            storage_url=storage.url,
-            env={**storage.env, **WEBHOOKS_TO_LOOPBACK},
-        )
-    elif backend == "local-with-retention":
-        server = start_server(
-            long_poll_timeout=LONG_POLL_TIMEOUT, env={**RETENTION, **WEBHOOKS_TO_LOOPBACK}
-        )
-    else:
-        server = start_server(long_poll_timeout=LONG_POLL_TIMEOUT, env=WEBHOOKS_TO_LOOPBACK)
+    base_url = start_backend(backend, start_server, request)
     report_path = tmp_path / "vitest-report.json"
 
-    test_timeout_ms = S3_TEST_TIMEOUT_MS if backend == "s3" else None
-    returncode, output = run_vitest(server.url, report_path, test_timeout_ms)
+    test_timeout_ms = S3_TEST_TIMEOUT_MS if backend.startswith("s3") else None
+    returncode, output = run_vitest(base_url, report_path, test_timeout_ms)
     output_path = tmp_path / "vitest-output.txt"
     output_path.write_text(output)
     print(output[-OUTPUT_TAIL_CHARS:])  # vitest's summary, shown by pytest on failure
@@ -139,3 +135,19 @@ def test_conformance_suite(
         f"conformance: {summary} (expected {EXPECTED_PASSED} passed)\n"
         f"full output: {output_path}\nfull report: {report_path}\n{failures}"
     )
+
+
+def start_backend(backend: str, start_server: StartServer, request: pytest.FixtureRequest) -> str:
+    """Start the servers `backend` names; the base URL the suite runs against."""
+    start = functools.partial(start_server, long_poll_timeout=LONG_POLL_TIMEOUT)
+    if backend.startswith("s3"):  # a fresh bucket on the session's moto_server
+        storage = request.getfixturevalue("s3_storage")
+        env = {**storage.env, **WEBHOOKS_TO_LOOPBACK}
+        if backend == "s3":
+            return start(storage_url=storage.url, env=env).url
+        nodes = [start(storage_url=storage.url, env=env) for _ in range(2)]
+        return request.getfixturevalue("start_nginx")(nodes).url
+    if backend == "local-with-retention":
+        return start(env={**RETENTION, **WEBHOOKS_TO_LOOPBACK}).url
+    workers = int(backend.split("-")[1]) if backend.endswith("-workers") else None
+    return start(env=WEBHOOKS_TO_LOOPBACK, workers=workers).url
