@@ -18,6 +18,10 @@ owner to act on a stream it serves (`ask`): before a fork is made, to rewrite wh
 holds of the source into its segments, where the fork will read it ("settle"); after
 a fork's delete erased its soft-deleted source, to look at storage again ("recheck"),
 for an owner trusts what it holds of its streams.
+
+A subscription (`__ds/subscriptions/<id>/...`) is served as a stream is, by the member
+that serves its key (protocol.subscription_key): its wakes, leases and tokens live in
+that one process (subscriptions.py).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import urllib3
 
 from members import Membership, Owner
 from objectstore import StorageUnavailable
-from protocol import RETRY_AFTER_SECONDS, STREAM_PREFIX, is_reserved
+from protocol import RETRY_AFTER_SECONDS, STREAM_PREFIX, is_reserved, reserved_route_key
 from streams import StoreError
 from wakeups import when_waits_end
 from wire import PEER_ENVIRON_KEY, error_body
@@ -87,10 +91,11 @@ class Forwarder:
         if not path_info.startswith(STREAM_PREFIX):
             return None
         path = path_info[len(STREAM_PREFIX) :]
-        if is_reserved(path):
-            return None  # the subscription routes serve from every member
+        key = reserved_route_key(path) if is_reserved(path) else path
+        if key is None:
+            return None  # answered alike by every member
         try:
-            owner = self.membership.owner_for(path)
+            owner = self.membership.owner_for(key)
         except StorageUnavailable as error:
             return unavailable(start_response, f"who serves this stream is unknown: {error}")
         from_peer = environ.get(PEER_ENVIRON_KEY, False)
@@ -99,8 +104,8 @@ class Forwarder:
                 return self._do_asked(environ[ASK_KEY], path, start_response)
             return None
         if from_peer:  # the member that sent it thinks we serve it: it looks again
-            return answer_empty(start_response, "421 Misdirected Request")
-        return self.forward(environ, start_response, path, owner)
+            return misdirected(start_response)
+        return self.forward(environ, start_response, key, owner)
 
     def _do_asked(self, action: str, path: str, start_response: Callable) -> list[bytes]:
         do = self.asked.get(action)
@@ -176,6 +181,21 @@ class Forwarder:
         """Send the request to `owner`. A live read may stay quiet for as long as it
         lasts; any other answer comes within `quick_seconds`, or the owner's heartbeat
         is looked at: a paused owner holds no client for longer."""
+        headers = {**request_headers(environ, len(body)), **(extra or {})}
+        timeout = self.live_timeout if is_live(environ) else self.quick_timeout
+        return self.send(owner, environ["REQUEST_METHOD"], target(environ), headers, body, timeout)
+
+    def send(
+        self,
+        owner: Owner,
+        method: str,
+        request_target: str,
+        headers: dict[str, str],
+        body: bytes,
+        timeout: urllib3.Timeout,
+    ) -> urllib3.BaseHTTPResponse:
+        """One request to `owner`'s peer listener, on a kept-alive connection; the answer
+        unread. Raises urllib3's HTTPError when it cannot be sent or answered in time."""
         pool = self.pools.get(owner.address)
         if pool is None:
             host, _, port = owner.address.rpartition(":")
@@ -184,11 +204,8 @@ class Forwarder:
             )
             self.pools[owner.address] = pool
         return pool.urlopen(
-            environ["REQUEST_METHOD"], target(environ), body=body or None,
-            headers={**request_headers(environ, len(body)), **(extra or {})},
-            retries=False, redirect=False,
-            timeout=self.live_timeout if is_live(environ) else self.quick_timeout,
-            preload_content=False, decode_content=False,
+            method, request_target, body=body or None, headers=headers, retries=False,
+            redirect=False, timeout=timeout, preload_content=False, decode_content=False,
         )  # fmt: skip
 
     def _relay(self, answer: urllib3.BaseHTTPResponse, start_response: Callable) -> Iterator[bytes]:
@@ -258,6 +275,17 @@ def read_body(environ: dict, most: int) -> bytes:
 def answer_empty(start_response: Callable, status: str) -> list[bytes]:
     start_response(status, [("Content-Length", "0")])
     return []
+
+
+def misdirected(start_response: Callable) -> list[bytes]:
+    """421: this member does not serve the request's stream or subscription (any more);
+    the member that forwarded it reads the claims again and sends it to the one that does."""
+    body = error_body("misdirected", "another member serves this; ask again")
+    start_response(
+        "421 MISDIRECTED REQUEST",
+        [("Content-Type", "application/json"), ("Content-Length", str(len(body)))],
+    )
+    return [body]
 
 
 def unavailable(start_response: Callable, message: str) -> list[bytes]:

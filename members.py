@@ -129,6 +129,8 @@ class Membership:
         self.log_fenced: Callable[[], bool] = lambda: False
         self.retired: set[str] = set()  # ids this process gave up: dead, whatever beats
         self._replays: dict[str, AsyncResult] = {}
+        self.on_start: list[Callable[[], None]] = []  # spawned once the member starts
+        self._claims: dict[int, Owner] = {}  # the latest claim read of each partition
         self._beating = False
         self._resolving = [Semaphore() for _ in range(PARTITIONS)]
 
@@ -141,6 +143,8 @@ class Membership:
         self.address = address
         for begin in self.on_identity:
             begin(self.member)
+        for started in self.on_start:
+            gevent.spawn(started)
 
     def leave(self) -> None:
         """Stopping: the heartbeat goes, so that others take our partitions at once."""
@@ -204,6 +208,13 @@ class Membership:
             for changed in self.on_change:
                 changed(partition, False)
 
+    def known_owner(self, path: str) -> Owner | None:
+        """As `owner_for`, but another member's partition is sent to the owner last read
+        without asking storage again: for internal requests, whose receiver checks that
+        it serves the path and answers 421 if not (then `forget_owner`, and ask again)."""
+        owner = self.owners.get(partition_of(path)) if self.started else None
+        return owner if owner is not None else self.owner_for(path)
+
     def serves(self, path: str) -> bool:
         """Whether this member serves `path`'s stream alone right now: no other process
         writes it, so what this process holds of it is the whole truth."""
@@ -222,11 +233,27 @@ class Membership:
 
     # -- claims --------------------------------------------------------------------
 
+    def other_owners(self) -> list[Owner]:
+        """The other members that own a partition, as the claims say now: those to tell of
+        a change every owner must know before it serves again. One listing of the
+        claims, and a read of each claim not read before."""
+        owners = {}
+        for partition, epoch in self._latest_epochs().items():
+            owner = self._claims.get(partition)
+            if owner is None or owner.epoch != epoch:
+                owner = self._read_claim(partition, epoch)
+            if owner is not None and owner.member != self.member:
+                self._claims[partition] = owner
+                owners[owner.member] = owner
+        return list(owners.values())
+
     def _read_owner(self, partition: int) -> Owner | None:
         names = [name for name in self.objects.list(f"{CLAIMS}/{partition:02d}") if name.isdigit()]
         if not names:
             return None
-        epoch = max(map(int, names))
+        return self._read_claim(partition, max(map(int, names)))
+
+    def _read_claim(self, partition: int, epoch: int) -> Owner | None:
         try:
             claim = orjson.loads(self.objects.read(f"{CLAIMS}/{partition:02d}/{epoch:010d}"))
         except FileNotFoundError:
@@ -346,14 +373,19 @@ class Membership:
         """Let go of the partitions whose last claim is no longer ours: another member
         took one (it thought us dead, and fenced our log), or storage lost them. One
         listing of every claim."""
-        latest: dict[int, int] = {}
-        for name in self.objects.list_tree(CLAIMS):
-            partition, _, epoch = name.partition("/")
-            if partition.isdigit() and epoch.isdigit():
-                latest[int(partition)] = max(latest.get(int(partition), 0), int(epoch))
+        latest = self._latest_epochs()
         lost = [p for p, epoch in self.owned.items() if latest.get(p) != epoch]
         for partition in lost:
             self.owners.pop(partition, None)
             self._lose(partition)
         if lost:
             self.log_fenced()  # taken from us as dead: fenced, we retire before a flush fails
+
+    def _latest_epochs(self) -> dict[int, int]:
+        """The highest epoch of each claimed partition: one listing of every claim."""
+        latest: dict[int, int] = {}
+        for name in self.objects.list_tree(CLAIMS):
+            partition, _, epoch = name.partition("/")
+            if partition.isdigit() and epoch.isdigit():
+                latest[int(partition)] = max(latest.get(int(partition), 0), int(epoch))
+        return latest

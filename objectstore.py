@@ -57,6 +57,20 @@ def run_here(function: Callable[..., T], *args: object, **kwargs: object) -> T:
     return function(*args, **kwargs)
 
 
+def read_or_create(objects: ObjectStore, key: str, make: Callable[[], bytes]) -> bytes:
+    """Read an object that is made once (a key): the first writer wins, all read its bytes."""
+    try:
+        return objects.read(key)
+    except FileNotFoundError:
+        pass
+    data = make()
+    try:
+        objects.create(key, data)
+    except FileExistsError:
+        return objects.read(key)
+    return data
+
+
 class ObjectCache(Generic[V]):
     """Recently written or read immutable objects, least recently used out first.
 

@@ -30,6 +30,7 @@ from members import Membership, partition_of
 from metrics import MeasuredObjects, get_metrics
 from objectstore import StorageUnavailable
 from ops import register_operations
+from peers import Peers
 from protocol import (
     CACHEABLE,
     CLOSED,
@@ -238,18 +239,24 @@ def create_app(settings: Settings, store: StreamStore | None = None) -> StreamAp
         views.dispatch,
         methods=["GET", "HEAD", "PUT", "POST", "DELETE", "OPTIONS"],
     )
-    register_subscriptions(app, store, settings)
+    membership, app.forwarder = serve_as_member(app, store, settings)
+    peers = Peers(membership, app.forwarder, store.objects)
+    subscriptions = register_subscriptions(app, store, settings, membership, peers)
+    # Beat while live reads wait, wakes are out, or the log holds what is not rewritten.
+    membership.busy = lambda: (
+        views.live_connections.busy() or subscriptions.busy() or bool(store.rewrites.holding)
+    )
     register_operations(app, store, settings)
     register_common_answers(app)
     app.fast_path = FastAppends(store, settings, verifier)
-    app.forwarder = serve_as_member(app, store, settings, views)
     return app
 
 
 def serve_as_member(
-    app: StreamApp, store: StreamStore, settings: Settings, views: StreamViews
-) -> Forwarder:
-    """Serve only the streams this process owns, forwarding the others (members.py).
+    app: StreamApp, store: StreamStore, settings: Settings
+) -> tuple[Membership, Forwarder]:
+    """Serve only the streams and subscriptions this process owns, forwarding the others
+    (members.py). While live reads or wakes are out, the member keeps its heartbeat.
 
     The membership starts when the worker knows its peer address (gunicorn.conf.py's
     post_worker_init); until then, as under another WSGI server, this process serves
@@ -268,13 +275,11 @@ def serve_as_member(
     store.log.on_fenced.append(membership.retire)
     membership.replay = store.replay
     membership.log_fenced = store.log.is_fenced
-    # Beat while live reads wait or the log holds commits not yet rewritten.
-    membership.busy = lambda: views.live_connections.busy() or bool(store.rewrites.holding)
     live_seconds = max(settings.long_poll_timeout, settings.sse_max_duration)
     asked = {"settle": store.settle, "recheck": store.recheck}
     forwarder = Forwarder(membership, settings.max_request_bytes, live_seconds, asked)
     store.ask_owner = forwarder.ask
-    return forwarder
+    return membership, forwarder
 
 
 def register_common_answers(app: Flask) -> None:

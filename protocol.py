@@ -195,6 +195,21 @@ def is_reserved(path: str) -> bool:
     return path.split("/", 1)[0] == RESERVED_PREFIX
 
 
+def subscription_key(subscription_id: str) -> str:
+    """The path a subscription is served by, as a stream is by its own (members.py): the
+    member that serves this path's partition holds the subscription's wakes."""
+    return f"{RESERVED_PREFIX}/subscriptions/{subscription_id}"
+
+
+def reserved_route_key(path: str) -> str | None:
+    """The path whose server answers a request under `__ds/`: a subscription's key for
+    its routes, None for those any member answers alike (jwks.json, unknown routes)."""
+    parts = path.split("/", 3)
+    if len(parts) >= 3 and parts[1] == "subscriptions" and parts[2]:
+        return subscription_key(parts[2])
+    return None
+
+
 def parse_fork_source(text: str) -> str:
     """The suite sends the source as the stream's URL path; accept that or a bare path."""
     source = text.strip()

@@ -328,6 +328,13 @@ class StreamStore:
                 if moved:
                     stream.move_away()
 
+    def held(self) -> list[StreamInfo]:
+        """The streams whose handles this process holds, as it holds them: those it may
+        have appended to lately (subscriptions.py asks, for a subscription it learned of
+        late)."""
+        handles = (self._streams.get(path) for path in self._streams.paths())
+        return [stream.info() for stream in handles if stream is not None]
+
     def _index(self, stream: Stream) -> None:
         """List the stream's pieces; then retention looks at what it may drop."""
         self.pieces.index(stream)

@@ -37,26 +37,26 @@ rewritten; the highest-numbered marker wins where there are several):
     subscriptions/<id>/<incarnation>/links/<stream key>/explicit  linked explicitly
     subscriptions/<id>/<incarnation>/links/<stream key>/glob      linked by the pattern
     subscriptions/<id>/<incarnation>/links/<stream key>/acked/<offset>.<stream incarnation>
-    subscriptions/<id>/<incarnation>/generations/<n>              last wake generation
+    subscriptions/<id>/<incarnation>/generations/<n>        wake n began (its id inside)
+    subscriptions/<id>/<incarnation>/generations/<n>.ended  wake n ended: the commit
+                                                            point of done and release
 
 An acknowledged offset names the stream incarnation it belongs to, so a stream deleted
 and created again is read from its start. The private key never leaves storage and this
 process; `…/jwks.json` serves only the public half.
 
-With several workers (gunicorn processes), what holds: configs, links and acknowledged
-offsets are durable and shared; PUT is idempotent across workers (the create-only
-config decides); signing and token keys are shared, so signatures verify and tokens are
-accepted in any worker; generation numbers are unique across workers and restarts (a
-create-only marker per generation). What does not: the live wake (its id, holder,
-lease and retries) lives only in the process that started it, so a callback, ack or
-claim served by another worker is FENCED or starts a second wake there; store listeners
-run only in the worker that served an append, so each worker wakes on its own appends; a
-worker learns of subscriptions created or deleted elsewhere within REFRESH_SECONDS, but
-of links and acks changed elsewhere only when it loads the subscription again (restart
-or re-creation), so its GET may list a link another worker removed. A restart forgets
-wakes in flight; each worker, once started, starts a new wake for every subscription
-with pending data (with N workers, N wakes). For exact semantics run one worker, the
-default; routing `__ds` by id to one worker is not enough, as appends wake everywhere.
+With several workers and nodes, one member serves each subscription (members.py): the
+one that serves its key's partition (protocol.subscription_key). Every `__ds` request
+about it is forwarded there (forwarding.py), so its wake in flight, lease, token and
+retries live in one process, and a callback, ack, claim or release means the same
+whichever worker or node receives it. Streams grow at their own members, which tell
+the subscriptions that link them (`on_stream_changed`, directory.py, peers.py); the
+tails a wake reports come from the streams' members too. A member that takes over a
+subscription (its former member died, or paused past its lease) ends the wake that one
+had in flight by creating its `.ended` marker, and the next generation's marker, before
+it serves: the former member then completes nothing (its create of either fails), and
+the new one starts a wake if data is pending, so every wake goes out at least once.
+docs/subscriptions.md has the design, its costs and the designs not taken.
 """
 
 from __future__ import annotations
@@ -69,9 +69,11 @@ import re
 import secrets
 import time
 import uuid
+from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
+from urllib.parse import unquote
 
 import gevent
 import orjson
@@ -82,7 +84,10 @@ from flask import Flask, request
 from gevent.lock import RLock
 
 from auth import AuthError, bearer_credentials, matches, refusal, request_allows, request_covers
-from objectstore import ObjectStore, StorageUnavailable
+from directory import Directory, Entry, drop_change, name_change, put_change
+from members import PARTITIONS, Membership, Owner, partition_of
+from objectstore import ObjectStore, StorageUnavailable, read_or_create
+from peers import Peers, PeerUnavailable
 from protocol import (
     RESERVED_PREFIX,
     RETRY_AFTER_SECONDS,
@@ -94,6 +99,7 @@ from protocol import (
     is_reserved,
     json_response,
     parse_offset,
+    subscription_key,
 )
 from protocol import parse_stream_path as parse_picomq_path
 from settings import Network, Settings
@@ -102,6 +108,7 @@ from streams import (
     AppendRequest,
     Payload,
     StoreError,
+    StreamConflict,
     StreamGone,
     StreamInfo,
     StreamNotFound,
@@ -128,7 +135,7 @@ DEFAULT_LEASE_TTL_MS = 30_000
 MIN_LEASE_TTL_MS = 1_000
 MAX_LEASE_TTL_MS = 600_000
 TOKEN_TTL_SECONDS = 24 * 3600  # an outer bound only: a token is good while its wake is current
-REFRESH_SECONDS = 2.0  # how stale this worker's list of subscriptions may get
+HEADS_PER_MESSAGE = 1000  # streams whose tails one peer message asks
 
 MAX_BODY_BYTES = 1024 * 1024
 MAX_STREAMS_PER_REQUEST = 1000
@@ -136,7 +143,7 @@ MAX_LINKS = 10_000
 MAX_ACKS = 1000
 MAX_DESCRIPTION_CHARS = 1024
 MAX_WORKER_CHARS = 256
-MAX_GENERATION_ATTEMPTS = 10
+ENDED = ".ended"  # a wake generation's end marker: <generation>.ended
 SUBSCRIPTION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._~-]{0,127}")
 
 
@@ -182,6 +189,11 @@ class TokenExpired(SubscriptionError):
 
 class Fenced(SubscriptionError):
     status, code = 409, "FENCED"
+
+
+class TakenOver(Fenced):
+    """Another server took the subscription over (members.py): this process's wake is
+    over, and it serves the subscription no more."""
 
 
 class AlreadyClaimed(SubscriptionError):
@@ -519,12 +531,11 @@ class Wake:
 @dataclass(eq=False)
 class Subscription:
     record: Record
-    identity: object  # of config.json; another value on storage means it was replaced
     links: dict[str, Link]
     generation: int
     wake: Wake | None = None
     status: str = "active"
-    deleted: bool = False
+    retired: bool = False  # this process serves it no more: deleted, or served elsewhere
     lock: RLock = field(default_factory=RLock)
     pattern: tuple[str, ...] | None = None  # the glob's segments, as auth.matches takes them
 
@@ -562,9 +573,6 @@ class SubscriptionObjects:
     def ids(self) -> list[str]:
         return [name for name in self.objects.list("subscriptions") if not name.startswith("_")]
 
-    def identity(self, subscription_id: str) -> object | None:
-        return self.objects.identity(self.config_key(subscription_id))
-
     def read_record(self, subscription_id: str) -> Record | None:
         try:
             return Record.from_json(self.objects.read(self.config_key(subscription_id)))
@@ -580,19 +588,6 @@ class SubscriptionObjects:
         if current is not None and current.incarnation == record.incarnation:
             self.objects.delete(self.config_key(record.id))  # the commit point of a DELETE
         self.objects.delete_tree(record.prefix)
-
-    def load_or_create(self, key: str, make: Callable[[], bytes]) -> bytes:
-        """Read an object that is made once: the first writer wins, everyone reads its bytes."""
-        try:
-            return self.objects.read(key)
-        except FileNotFoundError:
-            pass
-        data = make()
-        try:
-            self.objects.create(key, data)
-        except FileExistsError:
-            return self.objects.read(key)
-        return data
 
     # -- links and acknowledgements --
 
@@ -639,25 +634,114 @@ class SubscriptionObjects:
                 self.objects.delete_tree(prefix)
         return links
 
-    # -- generations --
+    # -- the directory (directory.py) --
 
-    def read_generation(self, record: Record) -> int:
-        names = self.objects.list(f"{record.prefix}/generations")
-        return max((int(name) for name in names if name.isdigit()), default=0)
-
-    def start_generation(self, record: Record, previous: int) -> int:
-        """Claim the next generation number; unique across workers because create-only."""
-        generation = previous + 1
-        for _ in range(MAX_GENERATION_ATTEMPTS):
-            try:
-                self.objects.create(f"{record.prefix}/generations/{generation:020d}", b"")
-            except FileExistsError:
-                generation = max(generation, self.read_generation(record)) + 1
+    def directory_entries(self, known: dict[str, Entry]) -> dict[str, Entry]:
+        """Every subscription as the directory holds it. One listing of everything under
+        subscriptions/; then the config of each subscription not in `known`, or known by
+        an incarnation whose folder is gone (or never made: one that links nothing), and
+        the path of each named link whose key does not spell it."""
+        configs: set[str] = set()
+        folders: dict[str, set[str]] = defaultdict(set)
+        named: dict[tuple[str, str], set[str]] = defaultdict(set)
+        for name in self.objects.list_tree("subscriptions"):
+            parts = name.split("/")
+            if parts[0].startswith("_"):
                 continue
-            if previous:
-                self._delete_once(f"{record.prefix}/generations/{previous:020d}")
-            return generation
-        raise StorageUnavailable("too many workers starting wakes at once; retry")
+            if parts[1:] == ["config.json"]:
+                configs.add(parts[0])
+            elif len(parts) > 2:
+                folders[parts[0]].add(parts[1])
+                if len(parts) == 5 and parts[2] == "links" and parts[4] == "explicit":
+                    named[(parts[0], parts[1])].add(parts[3])
+        entries = {}
+        for subscription_id in configs:
+            entry = known.get(subscription_id)
+            if entry is None or entry.incarnation not in folders[subscription_id]:
+                record = self.read_record(subscription_id)
+                if record is None:
+                    continue
+                entry = entry_of(record, frozenset())
+            spelled = {stream_key(path): path for path in entry.named}
+            keys = named.get((entry.id, entry.incarnation), set())
+            paths = {spelled.get(key) or self._linked_path(entry, key) for key in keys}
+            entries[subscription_id] = replace(entry, named=frozenset(paths - {None}))
+        return entries
+
+    def _linked_path(self, entry: Entry, key: str) -> str | None:
+        path = unquote(key)
+        if stream_key(path) == key:
+            return path
+        try:
+            key_path = f"subscriptions/{entry.id}/{entry.incarnation}/links/{key}/path"
+            return self.objects.read(key_path).decode()
+        except FileNotFoundError:  # unlinked while we listed
+            return None
+
+    # -- generations: which process starts and ends wakes --
+
+    def take_over(self, record: Record, token: str) -> int:
+        """Begin to serve the subscription; returns its generation (the next wake's is one
+        more). A former server may have a wake in flight (it died, or paused past its
+        lease): its `.ended` marker is created here, and the next generation's marker, so
+        that server can neither complete its wake nor start another, whatever the clocks
+        say: both are creates of those names (`end_generation`, `start_generation`)."""
+        latest, names = self._generations(record)
+        while True:
+            if latest:
+                self._create_once(f"{self._generation_key(record, latest)}{ENDED}", token.encode())
+            try:
+                self.objects.create(self._generation_key(record, latest + 1), token.encode())
+            except FileExistsError:  # that server began one meanwhile: end it too
+                latest += 1
+                continue
+            ended = {f"{latest:020d}{ENDED}"} if latest else set()
+            self._delete_below(record, latest + 1, names | ended)
+            return latest + 1
+
+    def start_generation(self, record: Record, previous: int, wake_id: str) -> int:
+        """Create the marker of wake `previous` + 1, naming it. Raises TakenOver when
+        another server made that marker, or a later one: it took the subscription over."""
+        generation = previous + 1
+        self._create_mine(self._generation_key(record, generation), wake_id)
+        latest, names = self._generations(record)  # a marker deleted as old and made again
+        if latest > generation:
+            raise TakenOver("another server took this subscription over")
+        self._delete_below(record, generation, names)
+        return generation
+
+    def end_generation(self, record: Record, generation: int, wake_id: str) -> None:
+        """The commit point of a wake's end. Raises TakenOver when a new server ended it
+        first (`take_over`), or has begun a later one."""
+        self._create_mine(f"{self._generation_key(record, generation)}{ENDED}", wake_id)
+        latest, _ = self._generations(record)
+        if latest > generation:
+            raise TakenOver("another server took this subscription over")
+
+    @staticmethod
+    def _generation_key(record: Record, generation: int) -> str:
+        return f"{record.prefix}/generations/{generation:020d}"
+
+    def _generations(self, record: Record) -> tuple[int, set[str]]:
+        names = set(self.objects.list(f"{record.prefix}/generations"))
+        return max((int(name) for name in names if name.isdigit()), default=0), names
+
+    def _delete_below(self, record: Record, generation: int, names: set[str]) -> None:
+        old = [name for name in names if name[:20].isdigit() and int(name[:20]) < generation]
+        self.objects.delete_many([f"{record.prefix}/generations/{name}" for name in old])
+
+    def _create_mine(self, key: str, token: str) -> None:
+        """Create `key` holding `token`; one there already is ours only if it holds it (a
+        create whose answer was lost). Raises TakenOver for another's."""
+        try:
+            self.objects.create(key, token.encode())
+        except FileExistsError:
+            try:
+                mine = self.objects.read(key) == token.encode()
+            except FileNotFoundError:
+                mine = False
+            if not mine:
+                raise TakenOver("another server took this subscription over") from None
 
     def _create_once(self, key: str, data: bytes) -> None:
         try:
@@ -672,26 +756,40 @@ class SubscriptionObjects:
             pass
 
 
-# -- the subscriptions of one process ----------------------------------------------------
+# -- the subscriptions this member serves ----------------------------------------------
 
 
 class Subscriptions:
-    """Create, read, delete and link subscriptions; wake consumers; take their acks.
+    """Create, read, delete and link subscriptions; wake consumers; take their acks; and
+    tell the subscriptions that link the streams this member commits.
 
+    This member holds the subscriptions it serves (members.py), each loaded on first use:
+    while it serves one, no other process changes it, so what it holds is the truth.
     State changes of one subscription happen under its lock; the lock is never held
     across a webhook POST (deliveries run in their own greenlet).
     """
 
     def __init__(
-        self, store: StreamStore, webhook_networks: tuple[Network, ...], webhook_timeout: float
+        self,
+        store: StreamStore,
+        membership: Membership,
+        peers: Peers,
+        webhook_networks: tuple[Network, ...],
+        webhook_timeout: float,
     ) -> None:
         self.store = store
+        self.membership = membership
+        self.peers = peers
         self.webhook_networks = webhook_networks  # reachable besides public addresses
         self.webhook_timeout = webhook_timeout  # seconds for one delivery attempt, in all
         self.files = SubscriptionObjects(store.objects)
+        self.directory = Directory(self.files.directory_entries)
+        self.directory.on_learn = self._tell_held
         self._subscriptions: dict[str, Subscription] = {}
         self._registry_lock = RLock()
-        self._refreshed_at = float("-inf")
+        self._news: dict[str, dict[str, Ack]] = {}  # per subscription, tails to tell it
+        self._telling: set[str] = set()  # subscriptions a greenlet is telling
+        self._to_wake: set[int] | None = None  # partitions whose subscriptions to wake
         self._signer: WebhookSigner | None = None
         self._tokens: WakeTokens | None = None
 
@@ -700,7 +798,7 @@ class Subscriptions:
     @property
     def signer(self) -> WebhookSigner:
         if self._signer is None:
-            data = self.files.load_or_create(SIGNING_KEY_OBJECT, _new_signing_key)
+            data = read_or_create(self.files.objects, SIGNING_KEY_OBJECT, _new_signing_key)
             key = Ed25519PrivateKey.from_private_bytes(decode_base64url(orjson.loads(data)["d"]))
             self._signer = WebhookSigner(key)
         return self._signer
@@ -708,35 +806,30 @@ class Subscriptions:
     @property
     def tokens(self) -> WakeTokens:
         if self._tokens is None:
-            self._tokens = WakeTokens(
-                self.files.load_or_create(TOKEN_KEY_OBJECT, lambda: secrets.token_bytes(32))
-            )
+            make = lambda: secrets.token_bytes(32)  # noqa: E731
+            self._tokens = WakeTokens(read_or_create(self.files.objects, TOKEN_KEY_OBJECT, make))
         return self._tokens
 
     def jwks(self) -> dict:
         return {"keys": [self.signer.jwk()]}
 
-    # -- the registry: storage is the truth, this is a cache of it --
+    # -- the subscriptions served here --
 
     def find(self, subscription_id: str) -> Subscription | None:
-        """The subscription as storage has it now (re-loaded if replaced elsewhere)."""
-        identity = self.files.identity(subscription_id)
+        """The subscription as this member serves it, loaded from storage on first use:
+        loading takes it over (`SubscriptionObjects.take_over`)."""
+        current = self._subscriptions.get(subscription_id)
+        if current is not None:
+            return current
         with self._registry_lock:
             current = self._subscriptions.get(subscription_id)
-            if identity is None:
-                if current is not None:
-                    self._forget(current)
-                return None
-            if current is not None and current.identity == identity:
+            if current is not None:
                 return current
             record = self.files.read_record(subscription_id)
             if record is None:
                 return None
-            loaded = Subscription(
-                record, identity, self.files.read_links(record), self.files.read_generation(record)
-            )
-            if current is not None:
-                self._forget(current)
+            generation = self.files.take_over(record, self.membership.member)
+            loaded = Subscription(record, self.files.read_links(record), generation)
             self._subscriptions[subscription_id] = loaded
             return loaded
 
@@ -746,41 +839,95 @@ class Subscriptions:
             raise SubscriptionNotFound(f"subscription {subscription_id} not found")
         return subscription
 
-    def _refresh_due(self) -> bool:
-        return time.monotonic() - self._refreshed_at >= REFRESH_SECONDS
-
-    def refresh(self, force: bool = False) -> None:
-        """Pick up subscriptions other workers created or deleted (at most every few seconds)."""
-        if not force and not self._refresh_due():
-            return
-        self._refreshed_at = time.monotonic()
-        ids = set(self.files.ids())
-        for subscription_id in list(self._subscriptions):
-            if subscription_id not in ids:
-                self._forget(self._subscriptions[subscription_id])
-        for subscription_id in ids:
-            self.find(subscription_id)
+    def busy(self) -> bool:
+        """Whether a wake is out that this member must go on serving until it ends (a
+        webhook delivered or leased, a pull wake claimed): its heartbeat goes on."""
+        return any(
+            subscription.wake is not None
+            and (subscription.spec.type == "webhook" or subscription.wake.holder is not None)
+            for subscription in self._subscriptions.values()
+        )
 
     def resume(self) -> None:
-        """After a start: load every subscription and wake those with data still pending."""
-        try:
-            self.refresh(force=True)
-        except Exception:
-            log.exception("subscriptions could not resume pending wakes")
-            return
-        for subscription in list(self._subscriptions.values()):
-            try:  # one subscription that fails never keeps the others asleep
-                with subscription.lock:
-                    self._wake_if_pending(subscription)
-            except Exception:
-                log.exception("subscription %s could not resume its wake", subscription.id)
+        """Once a member (Membership.on_start): serve every subscription nobody serves or
+        whose server is dead, and wake those with data pending, so what a process that
+        died mid-wake left goes out again."""
+        self._wake_partitions(set(range(PARTITIONS)))
 
-    def _forget(self, subscription: Subscription) -> None:
+    def partition_changed(self, partition: int, ours: bool) -> None:
+        """Membership.on_change (which must not wait): this member begins or ends serving
+        `partition`. What it held of the partition's subscriptions may be stale either
+        way: retired now (a request loads one anew). Beginning, it reads the directory
+        again before it tells of its next commit, and wakes the partition's
+        subscriptions that have data pending."""
+        for subscription in list(self._subscriptions.values()):
+            if partition_of(subscription_key(subscription.id)) == partition:
+                self._subscriptions.pop(subscription.id, None)
+                subscription.retired = True
+                gevent.spawn(self._drop_wake, subscription)
+        if ours:
+            self.directory.stale = True
+            gevent.spawn(self._wake_partitions, {partition})
+
+    def _wake_partitions(self, partitions: set[int]) -> None:
+        """Wake the subscriptions of `partitions` this member serves (claiming those
+        nobody serves); partitions added meanwhile join this greenlet's next round, each
+        round one listing of the subscriptions."""
+        if self._to_wake is not None:
+            self._to_wake |= partitions
+            return
+        self._to_wake = set(partitions)
+        try:
+            while self._to_wake:
+                partitions, self._to_wake = self._to_wake, set()
+                for subscription_id in self.files.ids():
+                    if partition_of(subscription_key(subscription_id)) in partitions:
+                        self._wake_served(subscription_id)
+        except StorageUnavailable as error:
+            log.warning("pending wakes not resumed (the next request for each resumes it): %s",
+                        error)  # fmt: skip
+        finally:
+            self._to_wake = None
+
+    def _wake_served(self, subscription_id: str) -> None:
+        try:  # one subscription that fails never keeps the others asleep
+            if self.membership.known_owner(subscription_key(subscription_id)) is not None:
+                return
+            subscription = self.find(subscription_id)
+            if subscription is not None:
+                with subscription.lock:
+                    self._try_next_wake(subscription)
+        except Exception:
+            log.exception("subscription %s could not resume its wake", subscription_id)
+
+    def _still_serves(self, subscription: Subscription) -> bool:
+        """Whether this member still serves `subscription`, asked before a timer acts on
+        it: a paused process may have lost it meanwhile (then it is retired:
+        `partition_changed`). Storage that cannot say means no, for now."""
+        if subscription.retired:
+            return False
+        try:
+            owner = self.membership.owner_for(subscription_key(subscription.id))
+        except StorageUnavailable:
+            return False
+        return owner is None and not subscription.retired
+
+    def _retire(self, subscription: Subscription) -> None:
+        """This process no longer serves `subscription` (deleted, or another took it over)."""
         with subscription.lock:
-            subscription.deleted = True
+            subscription.retired = True
             self._end_wake(subscription)
         if self._subscriptions.get(subscription.id) is subscription:
             del self._subscriptions[subscription.id]
+
+    def _drop_wake(self, subscription: Subscription) -> None:
+        with subscription.lock:
+            self._end_wake(subscription)
+
+    def _publish(self, change: dict) -> None:
+        """Tell the directory here and at every member that serves streams (directory.py)."""
+        self.directory.apply(change)
+        self.peers.tell_all("directory", change)
 
     # -- PUT, GET, DELETE --
 
@@ -807,9 +954,10 @@ class Subscriptions:
             if existing is None:
                 raise SubscriptionExists("subscription was replaced concurrently; retry") from None
             return False, self._confirm(existing, spec)
-        subscription = self.find(subscription_id)
-        if subscription is None or subscription.record.incarnation != record.incarnation:
-            raise SubscriptionExists("subscription was replaced concurrently; retry")
+        with self._registry_lock:
+            created = Subscription(record, links, 0)
+            subscription = self._subscriptions.setdefault(subscription_id, created)
+        self._publish(put_change(entry_of(record, named_links(links))))
         with subscription.lock:
             self._try_next_wake(subscription)  # data appended while we linked
         return True, subscription
@@ -830,18 +978,24 @@ class Subscriptions:
                     links.setdefault(path, Link(path)).glob = True
         if len(links) > MAX_LINKS:
             raise BadSubscriptionRequest(f"a subscription links at most {MAX_LINKS} streams")
+        tails = self._heads(list(links))
         for link in links.values():
-            info = self._head(link.path)
-            link.acked = Ack(info.incarnation, info.tail) if info else None
+            link.acked = tails[link.path]
         return {path: link for path, link in links.items() if link.explicit or link.acked}
 
     def delete(self, subscription_id: str) -> None:
-        subscription = self.find(parse_subscription_id(subscription_id))
-        if subscription is None:
-            return
+        subscription_id = parse_subscription_id(subscription_id)
         with self._registry_lock:  # no `find` may load it again while storage still has it
-            self._forget(subscription)
-            self.files.delete(subscription.record)
+            subscription = self._subscriptions.get(subscription_id)
+            record = (
+                subscription.record if subscription else self.files.read_record(subscription_id)
+            )
+            if record is None:
+                return
+            if subscription is not None:
+                self._retire(subscription)
+            self.files.delete(record)
+        self._publish(drop_change(record.id, record.incarnation))
 
     def describe(self, subscription: Subscription) -> dict[str, object]:
         spec = subscription.spec
@@ -877,14 +1031,18 @@ class Subscriptions:
                 raise BadSubscriptionRequest(f"a subscription links at most {MAX_LINKS} streams")
             if subscription.spec.wake_stream in paths:
                 raise BadSubscriptionRequest("a subscription cannot link its own wake stream")
+            tails = self._heads(new)
+            named = []
             for path in paths:
-                link = subscription.links.get(path)
-                if link is None:
-                    info = self._head(path)
-                    link = Link(path, acked=Ack(info.incarnation, info.tail) if info else None)
+                link = subscription.links.get(path) or Link(path, acked=tails[path])
+                if not link.explicit:
+                    named.append(path)
                 link.explicit = True
                 self.files.write_link(subscription.record, link)
                 subscription.links[path] = link
+        if named:
+            record = subscription.record
+            self._publish(name_change(record.id, record.incarnation, named, []))
 
     def remove_stream(self, subscription_id: str, path: str) -> None:
         subscription = self.require(subscription_id)
@@ -900,64 +1058,191 @@ class Subscriptions:
             else:
                 self.files.remove_link(subscription.record, path)
                 del subscription.links[path]
+        record = subscription.record
+        self._publish(name_change(record.id, record.incarnation, [], [path]))
 
-    # -- stream changes (store listener) --
+    # -- streams that grew here: tell the subscriptions that link them --
 
     def on_stream_changed(self, info: StreamInfo) -> None:
-        """Store listener: runs in the writer's greenlet, so hand the work to another.
+        """Store listener, after each commit in this process: tell every subscription that
+        links the stream its tail, at the subscription's member. It runs in the writer's
+        greenlet, so it waits for nothing; for a stream no subscription links, it only
+        looks in the directory (and reads that again when due)."""
+        if self.directory.due():
+            gevent.spawn(self._read_directory_and_tell, info)
+            return
+        self.directory.look_again_later()
+        for subscription_id in self.directory.linking(info.path):
+            self._tell(subscription_id, info.path, Ack(info.incarnation, info.tail))
 
-        Every commit calls it. With no subscription known and no refresh due there is
-        nothing to hand over, and a greenlet would be spent on every commit for nothing.
-        """
-        if self._subscriptions or self._refresh_due():
-            gevent.spawn(self._handle_change, info)
-
-    def _handle_change(self, info: StreamInfo) -> None:
+    def _read_directory_and_tell(self, info: StreamInfo) -> None:
         try:
-            self.refresh()
-            for subscription in list(self._subscriptions.values()):
-                linked = info.path in subscription.links
-                if linked or subscription.matches(info.path):
-                    with subscription.lock:
-                        if not subscription.deleted:
-                            self._link_and_wake(subscription, info)
-        except Exception:
-            log.exception("subscriptions could not handle a change of %s", info.path)
+            self.directory.read()
+        except StorageUnavailable as error:
+            log.warning("subscription directory not read (told from what it holds): %s", error)
+        for subscription_id in self.directory.linking(info.path):
+            self._tell(subscription_id, info.path, Ack(info.incarnation, info.tail))
 
-    def _link_and_wake(self, subscription: Subscription, info: StreamInfo) -> None:
-        link = subscription.links.get(info.path)
+    def _tell_held(self, entries: list[Entry]) -> None:
+        """Directory.on_learn: streams held here that a subscription learned of late links
+        may have grown while this member did not know: tell it their tails."""
+        if not entries:
+            return
+        for info in self.store.held():
+            for entry in entries:
+                if entry.links(info.path):
+                    self._tell(entry.id, info.path, Ack(info.incarnation, info.tail))
+
+    def _tell(self, subscription_id: str, path: str, tail: Ack) -> None:
+        self._news.setdefault(subscription_id, {})[path] = tail
+        if subscription_id not in self._telling:
+            self._telling.add(subscription_id)
+            gevent.spawn(self._send_news, subscription_id)
+
+    def _send_news(self, subscription_id: str) -> None:
+        """Tell the subscription's member the tails gathered for it, until none are left:
+        one message at a time per subscription, each with all that gathered meanwhile. A
+        member that cannot be reached is asked again, backing off up to a minute."""
+        attempt = 0
+        try:
+            while self._news.get(subscription_id):
+                tails = self._news.pop(subscription_id)
+                try:
+                    if self._ask(subscription_id, "news", news_body(subscription_id, tails)):
+                        self.news(subscription_id, tails)
+                    attempt = 0
+                except StorageUnavailable as error:
+                    log.warning("subscription %s not told of %d streams yet: %s",
+                                subscription_id, len(tails), error)  # fmt: skip
+                    waiting = self._news.setdefault(subscription_id, {})
+                    for path, tail in tails.items():
+                        waiting.setdefault(path, tail)  # a newer tail told meanwhile wins
+                    gevent.sleep(retry_delay(attempt))
+                    attempt += 1
+        finally:
+            self._telling.discard(subscription_id)
+
+    def _ask(self, subscription_id: str, name: str, body: dict) -> bool:
+        """Ask the subscription's member; True when that is this process (serve it here)."""
+        return self.peers.ask(subscription_key(subscription_id), name, body) is None
+
+    def news(self, subscription_id: str, tails: dict[str, Ack]) -> None:
+        """Tails of streams a subscription links, from the streams' members: link those its
+        pattern matches anew, and wake it if one has data pending. Raises
+        StorageUnavailable (the news is told again)."""
+        subscription = self.find(subscription_id)
+        if subscription is None:
+            return  # deleted: the directory that named it was stale
+        with subscription.lock:
+            for path, tail in tails.items():
+                if subscription.retired:
+                    return
+                try:
+                    self._link_and_wake(subscription, path, tail)
+                except (TakenOver, StoreError) as error:
+                    log.info("subscription %s: %s", subscription.id, error)
+
+    def _link_and_wake(self, subscription: Subscription, path: str, tail: Ack) -> None:
+        link = subscription.links.get(path)
         if link is None:
+            if not subscription.matches(path):
+                return  # told from a stale directory
             if len(subscription.links) >= MAX_LINKS:
                 log.warning("subscription %s is at %d links", subscription.id, MAX_LINKS)
                 return
-            link = Link(info.path, glob=True)  # created after the subscription: all pending
+            link = Link(path, glob=True)  # created after the subscription: all pending
             self.files.write_link(subscription.record, link)
-            subscription.links[info.path] = link
-        if subscription.wake is None and LinkState(link, Ack(info.incarnation, info.tail)).pending:
-            self._start_wake(subscription, self._states(subscription), info.path)
+            subscription.links[path] = link
+        if subscription.wake is None and LinkState(link, tail).pending:
+            self._start_wake(subscription, self._states(subscription), path)
 
-    # -- wakes --
+    # -- tails of streams, from their members --
 
-    def _head(self, path: str) -> StreamInfo | None:
-        """The linked stream's info; None when it is gone or cannot be served."""
+    def _heads(self, paths: list[str]) -> dict[str, Ack | None]:
+        """The tail of each stream (None: gone, or not served), from its member: those this
+        member serves from its handles, the others in one message per member (per
+        HEADS_PER_MESSAGE streams). Raises StorageUnavailable."""
+        tails: dict[str, Ack | None] = {}
+        elsewhere: dict[Owner, list[str]] = defaultdict(list)
+        for path in paths:
+            owner = self.membership.known_owner(path)
+            if owner is None:
+                tails[path] = self._own_head(path)
+            else:
+                elsewhere[owner].append(path)
+        for owner, asked in elsewhere.items():
+            for start in range(0, len(asked), HEADS_PER_MESSAGE):
+                batch = asked[start : start + HEADS_PER_MESSAGE]
+                answer = self.peers.post(owner, "heads", {"paths": batch})
+                found = decode_tails(answer["tails"]) if answer is not None else {}
+                tails.update(found)
+                for path in batch:
+                    if path not in found:  # its member moved: ask where it is now
+                        self.membership.forget_owner(path)
+                        tails[path] = self._head_anywhere(path)
+        return tails
+
+    def _head_anywhere(self, path: str) -> Ack | None:
+        answer = self.peers.ask(path, "heads", {"paths": [path]})
+        if answer is None:
+            return self._own_head(path)
+        found = decode_tails(answer["tails"])
+        if path not in found:
+            raise PeerUnavailable(f"the server of {path} keeps moving; retry")
+        return found[path]
+
+    def _own_head(self, path: str) -> Ack | None:
         try:
-            return self.store.head(path)
+            info = self.store.head(path)
         except (StreamNotFound, StreamGone):
             return None
         except StoreError as error:  # e.g. a fork chain too deep to load: as if gone
             log.warning("subscription link %s is not served: %s", path, error)
             return None
+        return Ack(info.incarnation, info.tail)
 
     def _states(self, subscription: Subscription) -> list[LinkState]:
-        states = []
-        for link in sorted(subscription.links.values(), key=lambda link: link.path):
-            info = self._head(link.path)
-            states.append(LinkState(link, Ack(info.incarnation, info.tail) if info else None))
-        return states
+        links = sorted(subscription.links.values(), key=lambda link: link.path)
+        tails = self._heads([link.path for link in links])
+        return [LinkState(link, tails[link.path]) for link in links]
+
+    # -- what other members ask here (peers.py) --
+
+    def answer_heads(self, body: dict) -> dict:
+        """The tails of the streams asked that this member serves; the others it leaves
+        out, and the asker looks for their members."""
+        tails = {}
+        for path in body["paths"]:
+            if self.membership.owner_for(path) is None:
+                tails[path] = self._own_head(path)
+        return {"tails": encode_tails(tails)}
+
+    def answer_news(self, body: dict) -> dict | None:
+        subscription_id = body["subscription"]
+        if self.membership.owner_for(subscription_key(subscription_id)) is not None:
+            return None
+        self.news(subscription_id, decode_tails(body["tails"]))  # type: ignore[arg-type]
+        return {}
+
+    def answer_wake_event(self, body: dict) -> dict | None:
+        stream = body["stream"]
+        if self.membership.owner_for(stream) is not None:
+            return None
+        try:
+            self.append_wake_event(stream, body["event"])
+        except StoreError as error:
+            return {"error": str(error)}
+        return {}
+
+    def answer_directory(self, body: dict) -> dict:
+        self.directory.apply(body)
+        return {}
+
+    # -- wakes --
 
     def _wake_if_pending(self, subscription: Subscription) -> bool:
         """Start the next wake if any linked stream has unacknowledged data."""
-        if subscription.deleted or subscription.wake is not None:
+        if subscription.retired or subscription.wake is not None:
             return False
         states = self._states(subscription)
         pending = [state for state in states if state.pending]
@@ -967,9 +1252,17 @@ class Subscriptions:
         return True
 
     def _start_wake(self, subscription: Subscription, states: list[LinkState], path: str) -> None:
-        generation = self.files.start_generation(subscription.record, subscription.generation)
+        """Raises TakenOver, having retired the subscription, if another server took it."""
+        wake_id = "w_" + secrets.token_hex(12)
+        try:
+            generation = self.files.start_generation(
+                subscription.record, subscription.generation, wake_id
+            )
+        except TakenOver:
+            self._retire(subscription)
+            raise
         subscription.generation = generation
-        wake = Wake("w_" + secrets.token_hex(12), generation, states)
+        wake = Wake(wake_id, generation, states)
         if subscription.spec.type == "webhook":
             wake.token = self.tokens.issue(subscription, wake)
             subscription.wake = wake
@@ -982,9 +1275,36 @@ class Subscriptions:
         """Start the next wake if work is pending; a storage failure only postpones it."""
         try:
             return self._wake_if_pending(subscription)
-        except (StorageUnavailable, StoreError):
-            log.exception("subscription %s: next wake postponed", subscription.id)
+        except (StorageUnavailable, StoreError, TakenOver) as error:
+            log.warning("subscription %s: next wake postponed: %s", subscription.id, error)
             return False
+
+    def _finish(self, subscription: Subscription) -> None:
+        """End the current wake at its commit point (`end_generation`). Raises TakenOver,
+        having retired the subscription, when another server took it over; raises
+        StorageUnavailable, the wake still current, when storage cannot say."""
+        wake = subscription.wake
+        if wake is None:
+            return
+        try:
+            self.files.end_generation(subscription.record, wake.generation, wake.id)
+        except TakenOver:
+            self._retire(subscription)
+            raise
+        self._end_wake(subscription)
+
+    def _end_here(self, subscription: Subscription) -> bool:
+        """End the current wake, which nothing completes (its lease ran out, or its
+        deliveries): recorded if storage allows, ended here in any case. False when
+        another server took the subscription over."""
+        try:
+            self._finish(subscription)
+        except TakenOver:
+            return False
+        except StorageUnavailable as error:
+            log.warning("subscription %s: end of a wake not recorded: %s", subscription.id, error)
+            self._end_wake(subscription)
+        return True
 
     def _end_wake(self, subscription: Subscription) -> None:
         wake, subscription.wake = subscription.wake, None
@@ -1000,30 +1320,41 @@ class Subscriptions:
 
     def _lease_expired(self, subscription: Subscription, wake: Wake) -> None:
         with subscription.lock:
-            if subscription.wake is not wake:
+            if subscription.wake is not wake or not self._still_serves(subscription):
                 return
             log.info("subscription %s: lease of wake %s expired", subscription.id, wake.id)
-            self._end_wake(subscription)
-            self._try_next_wake(subscription)
+            if self._end_here(subscription):
+                self._try_next_wake(subscription)
 
     def _append_wake_event(self, subscription: Subscription, wake: Wake, path: str) -> None:
         event = {"type": "wake", "subscription_id": subscription.id, "stream": path,
                  "generation": wake.generation, "ts": int(time.time() * 1000)}  # fmt: skip
         wake_stream = subscription.spec.wake_stream or ""
-        data = orjson.dumps(event)
         try:
-            info = self.store.head(wake_stream)
-            is_json = is_json_type(info.content_type)
-            payload = Payload.from_messages([data]) if is_json else Payload(data + b"\n")
-            self.store.append(wake_stream, AppendRequest(info.content_type, payload))
+            answer = self.peers.ask(wake_stream, "wake-event", {"stream": wake_stream,
+                                                                "event": event})  # fmt: skip
+            if answer is None:
+                self.append_wake_event(wake_stream, event)
+            elif "error" in answer:
+                raise StreamConflict(answer["error"])
         except (StoreError, StorageUnavailable) as error:
             log.warning("subscription %s: no wake event on %s: %s", subscription.id,
                         wake_stream, error)  # fmt: skip
 
+    def append_wake_event(self, wake_stream: str, event: dict) -> None:
+        """Append `event` to a wake stream this member serves, in the stream's content
+        type. Raises StoreError (e.g. the wake stream was deleted)."""
+        info = self.store.head(wake_stream)
+        data = orjson.dumps(event)
+        is_json = is_json_type(info.content_type)
+        payload = Payload.from_messages([data]) if is_json else Payload(data + b"\n")
+        self.store.append(wake_stream, AppendRequest(info.content_type, payload))
+
     # -- webhook delivery --
 
     def _deliver(self, subscription: Subscription, wake: Wake) -> None:
-        """POST the wake until the receiver answers 2xx, backing off; then give it up."""
+        """POST the wake until the receiver answers 2xx, backing off; then give it up.
+        Before each attempt, this member makes sure it still serves the subscription."""
         body = orjson.dumps({
             "subscription_id": subscription.id, "wake_id": wake.id, "generation": wake.generation,
             "streams": [state.describe() for state in wake.states],
@@ -1031,7 +1362,7 @@ class Subscriptions:
             "callback_token": wake.token,
         })  # fmt: skip
         for attempt in range(MAX_DELIVERY_ATTEMPTS):
-            if subscription.deleted or subscription.wake is not wake:
+            if subscription.wake is not wake or not self._still_serves(subscription):
                 return
             reply = self._post(subscription, body)
             if reply is not None:
@@ -1042,7 +1373,7 @@ class Subscriptions:
         with subscription.lock:
             if subscription.wake is wake:
                 log.warning("subscription %s: gave up on wake %s", subscription.id, wake.id)
-                self._end_wake(subscription)
+                self._end_here(subscription)
 
     def _post(self, subscription: Subscription, body: bytes) -> dict | None:
         """The receiver's JSON reply to one POST (an empty dict if not JSON); None on failure.
@@ -1073,23 +1404,32 @@ class Subscriptions:
         return value if isinstance(value, dict) else {}
 
     def _delivered(self, subscription: Subscription, wake: Wake, reply: dict) -> None:
+        """A 2xx reply: `{"done": true}` ends the wake and acknowledges the tails it
+        reported; any other reply leaves the consumer the lease to call back."""
         with subscription.lock:
             subscription.status = "active"
-            if subscription.wake is not wake:
-                return  # the consumer called back (or the lease ran out) before replying
-            if reply.get("done") is True:
-                try:
-                    for state in wake.states:
-                        if state.tail is not None and state.pending:
-                            self._acknowledge(subscription, state.link.path, state.tail)
-                except (StorageUnavailable, StoreError):
-                    log.exception("subscription %s: done not recorded; the lease will redeliver",
-                                  subscription.id)  # fmt: skip
-                else:
-                    self._end_wake(subscription)
-                    self._try_next_wake(subscription)
-                    return
-            self._extend_lease(subscription, wake)
+            if subscription.wake is not wake or not self._still_serves(subscription):
+                return  # called back (or the lease ran out) before replying; or moved
+            if reply.get("done") is not True:
+                self._extend_lease(subscription, wake)
+                return
+            try:
+                self._finish(subscription)
+            except TakenOver:
+                return
+            except StorageUnavailable:
+                log.exception("subscription %s: done not recorded; the lease will redeliver",
+                              subscription.id)  # fmt: skip
+                self._extend_lease(subscription, wake)
+                return
+            try:
+                for state in wake.states:
+                    if state.tail is not None and state.pending:
+                        self._acknowledge(subscription, state.link.path, state.tail)
+            except (StorageUnavailable, StoreError):
+                log.exception("subscription %s: acks of a done reply not recorded; the next"
+                              " wake brings the data again", subscription.id)  # fmt: skip
+            self._try_next_wake(subscription)
 
     def _action_url(self, subscription: Subscription, action: str) -> str:
         root = subscription.record.root_url
@@ -1113,10 +1453,13 @@ class Subscriptions:
                     "another worker holds this subscription's wake",
                     current_holder=wake.holder, generation=wake.generation,
                 )  # fmt: skip
-            if wake is not None and wake.holder is not None:
-                self._end_wake(subscription)  # its lease ran out; the timer has not fired yet
-            if subscription.wake is None and not self._wake_if_pending(subscription):
-                raise NoPendingWork("no linked stream has unacknowledged data")
+            try:
+                if wake is not None and wake.holder is not None:
+                    self._finish(subscription)  # its lease ran out; the timer has not fired yet
+                if subscription.wake is None and not self._wake_if_pending(subscription):
+                    raise NoPendingWork("no linked stream has unacknowledged data")
+            except TakenOver as error:
+                raise PeerUnavailable("this subscription moved to another server; retry") from error
             wake = subscription.wake
             assert wake is not None
             states = self._states(subscription)
@@ -1131,21 +1474,28 @@ class Subscriptions:
         self._require_type(subscription, "pull-wake")
         with subscription.lock:
             self._check_wake(subscription, token, ack)
-            self._end_wake(subscription)
+            self._finish(subscription)
             self._try_next_wake(subscription)
 
     def _progress(self, subscription: Subscription, token: str, ack: AckRequest, kind: str) -> dict:
+        """Acks, and with `done` the end of the wake: its commit point comes first
+        (`_finish`), so a server that lost the subscription records no acks of it."""
         self._require_type(subscription, kind)
         with subscription.lock:
             wake = self._check_wake(subscription, token, ack)
             targets = [self._ack_target(subscription, path, offset) for path, offset in ack.acks]
-            for path, position in targets:
-                self._acknowledge(subscription, path, position)
             if not ack.done:
+                for path, position in targets:
+                    self._acknowledge(subscription, path, position)
                 self._extend_lease(subscription, wake)
                 return {"ok": True, "next_wake": False}
-            self._end_wake(subscription)
-            return {"ok": True, "next_wake": self._try_next_wake(subscription)}
+            self._finish(subscription)
+            try:
+                for path, position in targets:
+                    self._acknowledge(subscription, path, position)
+            finally:
+                next_wake = self._try_next_wake(subscription)
+            return {"ok": True, "next_wake": next_wake}
 
     @staticmethod
     def _require_type(subscription: Subscription, kind: str) -> None:
@@ -1180,13 +1530,13 @@ class Subscriptions:
             position = parse_offset(offset)
         except BadRequest as error:
             raise BadSubscriptionRequest(str(error)) from error
-        info = self._head(path)
-        if info is None or position > info.tail:
+        tail = self._heads([path])[path]
+        if tail is None or position > tail.position:
             raise InvalidOffset(f"offset {offset} is beyond the tail of {path}")
-        state = LinkState(link, Ack(info.incarnation, info.tail))
+        state = LinkState(link, tail)
         if state.acked is not None and position < state.acked.position:
             raise InvalidOffset(f"offset {offset} is before what {path} already acknowledged")
-        return path, Ack(info.incarnation, position)
+        return path, Ack(tail.incarnation, position)
 
     def _acknowledge(self, subscription: Subscription, path: str, ack: Ack) -> None:
         """Record an ack; within one stream incarnation acks only move forward."""
@@ -1199,6 +1549,32 @@ class Subscriptions:
                 return
         self.files.write_ack(subscription.record, path, ack, link.acked)
         link.acked = ack
+
+
+def entry_of(record: Record, named: frozenset[str]) -> Entry:
+    """The subscription's entry in the directory (directory.py)."""
+    pattern = record.spec.pattern
+    return Entry(record.id, record.incarnation, tuple(pattern.split("/")) if pattern else None,
+                 record.spec.wake_stream, named)  # fmt: skip
+
+
+def named_links(links: dict[str, Link]) -> frozenset[str]:
+    return frozenset(path for path, link in links.items() if link.explicit)
+
+
+def encode_tails(tails: dict[str, Ack | None]) -> dict[str, list | None]:
+    """Tails for a peer message: [incarnation, position], or null for no stream."""
+    return {
+        path: [tail.incarnation, tail.position] if tail else None for path, tail in tails.items()
+    }
+
+
+def decode_tails(encoded: dict[str, list | None]) -> dict[str, Ack | None]:
+    return {path: Ack(*tail) if tail else None for path, tail in encoded.items()}
+
+
+def news_body(subscription_id: str, tails: dict[str, Ack]) -> dict:
+    return {"subscription": subscription_id, "tails": encode_tails(dict(tails))}
 
 
 def _new_signing_key() -> bytes:
@@ -1323,15 +1699,18 @@ class SubscriptionViews:
         return json_response(progress(sub_id, token, parse_ack_request(body)))
 
 
-def register_subscriptions(app: Flask, store: StreamStore, settings: Settings) -> Subscriptions:
-    """Route `{root}/__ds/...` to the subscription views and listen to the store.
+def register_subscriptions(
+    app: Flask, store: StreamStore, settings: Settings, membership: Membership, peers: Peers
+) -> Subscriptions:
+    """Route `{root}/__ds/...` to the subscription views, and what other members ask
+    (peers.py) to the subscriptions; listen to the store and to the membership.
 
     The rules are more specific than the stream route's `<path:path>`, so Werkzeug
     tries them first; each takes every method and answers 405 itself, so no `__ds`
     request falls through to stream handling.
     """
     subscriptions = Subscriptions(
-        store, settings.webhook_allowed_networks, settings.webhook_timeout
+        store, membership, peers, settings.webhook_allowed_networks, settings.webhook_timeout
     )
     views = SubscriptionViews(subscriptions)
     routes = [
@@ -1346,7 +1725,12 @@ def register_subscriptions(app: Flask, store: StreamStore, settings: Settings) -
         endpoint = f"subscriptions.{view.__name__}"
         handler = views.answer(view, methods)
         app.add_url_rule(ROUTE_ROOT + rule, endpoint, handler, methods=ALL_METHODS)
+    peers.route(app, "heads", subscriptions.answer_heads)
+    peers.route(app, "news", subscriptions.answer_news)
+    peers.route(app, "wake-event", subscriptions.answer_wake_event)
+    peers.route(app, "directory", subscriptions.answer_directory)
     store.listeners.append(subscriptions.on_stream_changed)
-    gevent.spawn(subscriptions.resume)  # runs once this worker's event loop does
+    membership.on_change.append(subscriptions.partition_changed)
+    membership.on_start.append(subscriptions.resume)
     app.extensions["picomq.subscriptions"] = subscriptions
     return subscriptions

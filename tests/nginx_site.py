@@ -52,8 +52,8 @@ http {{
 
 
 def site_for(picomq_ports: Sequence[int], port: int) -> str:
-    """The shipped site with only its addresses changed: listening on 127.0.0.1:port (and
-    passing that port on in Host), its upstream the PicoMQs on picomq_ports (one or more)."""
+    """The shipped site with only its addresses changed: listening on 127.0.0.1:port, its
+    upstream the PicoMQs on picomq_ports (one or more)."""
     site = (DEPLOY_DIR / "nginx-picomq.conf").read_text()
     upstream_servers = "\n    ".join(
         f"server 127.0.0.1:{picomq_port};" for picomq_port in picomq_ports
@@ -62,9 +62,6 @@ def site_for(picomq_ports: Sequence[int], port: int) -> str:
         (SHIPPED_UPSTREAM_SERVER, upstream_servers),
         ("listen 80;", f"listen 127.0.0.1:{port};"),
         ("listen [::]:80;", ""),
-        # $host is the name without the port, whole on port 80: here the URLs PicoMQ
-        # builds from Host (subscriptions' callback and key URLs) need this port too.
-        ("proxy_set_header Host $host;", "proxy_set_header Host $http_host;"),
     ):
         assert site.count(old) == 1, old
         site = site.replace(old, new)

@@ -118,29 +118,18 @@ def test_conformance_suite(
     assert_suite_passes(server.url, tmp_path, test_timeout_ms)
 
 
-# Several processes that must answer as one. Today each serves from a view of the store
-# it keeps, and a request that reaches a process whose view is stale fails. Passed of 338
-# on 2026-12-06: two nodes on S3 321 (314 with a 15 s test timeout: 3 property-based
-# tests timed out), failing deletes and soft deletes seen late, forks' GC, sliding TTL
-# and subscriptions; two workers on S3 324 to 329, the same and long-polls not woken;
-# workers on local disk 335 or 338, subscriptions only (1 run in 5 failed with 2
-# workers, 4 in 5 with 4). tests/test_deploy.py shows nginx alternates.
-ISSUE_33 = pytest.mark.xfail(
-    strict=True, reason="issue 33: processes on one bucket do not answer as one yet"
-)
-# Not strict: on local disk which worker takes which request decides, and some runs pass.
-ISSUE_34 = pytest.mark.xfail(
-    strict=False, reason="issue 34: workers on one disk do not answer as one yet"
-)
+# Several processes that must answer as one: each stream and subscription is served by
+# one member (members.py), and the others forward to it. tests/test_deploy.py shows that
+# nginx alternates.
 
 
 @pytest.mark.conformance
 @pytest.mark.parametrize(
     "backend, workers",
     [
-        pytest.param("s3", 2, marks=ISSUE_33, id="s3-2-workers"),
-        pytest.param("local", 2, marks=ISSUE_34, id="local-2-workers"),
-        pytest.param("local", 4, marks=ISSUE_34, id="local-4-workers"),
+        pytest.param("s3", 2, id="s3-2-workers"),
+        pytest.param("local", 2, id="local-2-workers"),
+        pytest.param("local", 4, id="local-4-workers"),
     ],
 )
 def test_conformance_suite_on_several_workers(
@@ -163,7 +152,6 @@ def test_conformance_suite_on_several_workers(
 
 
 @pytest.mark.conformance
-@ISSUE_33
 def test_conformance_suite_on_two_nodes_taking_turns(
     start_server: StartServer, start_nginx: StartNginx, s3_storage: S3Storage, tmp_path: Path
 ) -> None:

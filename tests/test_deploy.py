@@ -1,6 +1,6 @@
 """deploy/: the nginx site in front of a real PicoMQ (SSE events pass unbuffered, long-poll
-and request ids pass through, metrics stay local), in front of two (each request goes to
-the next) and the systemd unit's stop timeout.
+and request ids pass through, metrics stay local, URLs handed out keep nginx's port), in
+front of two (each request goes to the next) and the systemd unit's stop timeout.
 
 Needs Debian's nginx (test.sh installs it as root on Debian).
 """
@@ -74,6 +74,22 @@ def test_metrics_are_served_to_this_machine_only(proxied: tuple[Server, Nginx]) 
     assert response.status_code == 200  # the test connects from 127.0.0.1
     assert "picomq_reads_total" in response.text
     assert "deny all;" in (DEPLOY_DIR / "nginx-picomq.conf").read_text()
+
+
+def test_urls_handed_out_through_nginx_keep_its_port(
+    proxied: tuple[Server, Nginx], unique_stream: str
+) -> None:
+    """A webhook's JWKS and callback URLs are built from the Host the client sent: nginx
+    must pass it on with its port, or they name port 80 of the same host."""
+    _, nginx = proxied
+    url = f"{nginx.url}/v1/stream/__ds/subscriptions/{unique_stream.replace('/', '-')}"
+    config = {"type": "webhook", "pattern": f"{unique_stream}/*",
+              "webhook": {"url": "https://93.184.216.34/hook"}}  # fmt: skip
+    created = requests.put(url, json=config, timeout=10)
+    assert created.status_code == 201, created.text
+    jwks_url = created.json()["webhook"]["signing"]["jwks_url"]
+    assert jwks_url == f"{nginx.url}/v1/stream/__ds/jwks.json"
+    assert requests.delete(url, timeout=10).status_code == 204
 
 
 def test_nginx_sends_each_request_of_one_connection_to_the_next_node(

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import queue
 import re
+import signal
 import socket
 import threading
 import time
@@ -849,6 +851,9 @@ def test_subscriptions_survive_a_restart(restartable_server: Server, make_receiv
     server.restart()
 
     after = {sid: get_subscription(server, sid) for sid in (webhook_id, pull_id)}
+    # The restarted server takes each subscription over, and a generation number with it.
+    assert {sid: body.pop("generation") > before[sid].pop("generation")
+            for sid, body in after.items()} == {webhook_id: True, pull_id: True}  # fmt: skip
     assert after == before
     assert put_subscription(server, webhook_id, **webhook_config).status_code == 200
     assert put_subscription(server, pull_id, **pull_config).status_code == 200
@@ -918,3 +923,151 @@ def test_webhook_is_redelivered_when_its_lease_runs_out(server: Server, make_rec
         second, [{"stream": f"{prefix}/a", "offset": tail_of(second, f"{prefix}/a")}], True
     )
     assert done.json() == {"ok": True, "next_wake": False}
+
+
+# -- several processes: one serves each subscription, the others forward to it ----------
+
+NODE_LEASE_SECONDS = 2.0  # short, so a test waits out a member's lease quickly
+
+
+@pytest.fixture
+def two_nodes(start_server: StartServer) -> tuple[Server, Server]:
+    """Two PicoMQs of one worker each on one data directory. A request about a
+    subscription that reaches the node that does not serve it must be forwarded; a node
+    that answered it from its own view would answer FENCED, or wake a second time."""
+    env = {**ALLOW_LOOPBACK, "PICOMQ_LEASE_SECONDS": str(NODE_LEASE_SECONDS)}
+    first = start_server(workers=1, env=env)
+    second = start_server(storage_url=str(first.data_dir), workers=1, env=env)
+    return first, second
+
+
+def through(node: Server, delivery: Delivery) -> Delivery:
+    """The delivery with its callback URL sent to `node` instead of the creating one."""
+    path = delivery.body["callback_url"].split("/v1/stream/", 1)[1]
+    body = {**delivery.body, "callback_url": node.stream_url(path)}
+    return Delivery(body, delivery.raw, delivery.signature, delivery.host)
+
+
+def test_pull_wake_means_the_same_through_either_node(two_nodes: tuple[Server, Server]) -> None:
+    first, second = two_nodes
+    subscription_id, prefix, wake_stream = unique("pull"), unique("events"), unique("wake")
+    create_stream(first, wake_stream)
+    put_subscription(first, subscription_id, type="pull-wake", pattern=f"{prefix}/*",
+                     wake_stream=wake_stream, lease_ttl_ms=60_000)  # fmt: skip
+    path = f"{prefix}/a"
+    create_stream(second, path, {"n": 1})
+    wait_until(lambda: read_wake_events(first, wake_stream, subscription_id), "a wake")
+
+    claimed = claim(first, subscription_id, "worker-1").json()
+    busy = claim(second, subscription_id, "worker-2")
+    assert (busy.status_code, error_code(busy)) == (409, "ALREADY_CLAIMED")
+    [stream] = claimed["streams"]
+    acks = [{"stream": path, "offset": stream["tail_offset"]}]
+    heartbeat = pull_request(second, subscription_id, "ack", claimed)
+    assert (heartbeat.status_code, heartbeat.json()) == (200, {"ok": True, "next_wake": False})
+    done = pull_request(second, subscription_id, "ack", claimed, acks=acks, done=True)
+    assert (done.status_code, done.json()) == (200, {"ok": True, "next_wake": False})
+    assert acked_offsets(first, subscription_id) == {path: stream["tail_offset"]}
+    assert acked_offsets(second, subscription_id) == {path: stream["tail_offset"]}
+    stale = pull_request(first, subscription_id, "ack", claimed, acks=acks, done=True)
+    assert (stale.status_code, error_code(stale)) == (409, "FENCED")
+
+    append(first, path, {"n": 2})
+    again = claim(second, subscription_id, "worker-2")
+    assert again.status_code == 200, again.text
+    released = pull_request(first, subscription_id, "release", again.json())
+    assert released.status_code == 204
+    events = wait_until(
+        lambda: len(found := read_wake_events(second, wake_stream, subscription_id)) >= 3 and found,
+        "a wake after the release",
+    )
+    last = claim(first, subscription_id, "worker-1")
+    assert last.status_code == 200, last.text
+    # One wake event per wake: no node woke the subscription on its own.
+    events = read_wake_events(second, wake_stream, subscription_id)
+    generations = [event["generation"] for event in events]
+    assert len(generations) == 3 and generations == sorted(set(generations)), events
+    assert last.json()["generation"] == generations[-1]
+
+
+def test_a_webhook_callback_through_the_other_node(
+    two_nodes: tuple[Server, Server], make_receiver
+) -> None:
+    first, second = two_nodes
+    receiver = make_receiver((200, {}))
+    subscription_id, prefix = unique("sub"), unique("events")
+    put_subscription(first, subscription_id, type="webhook", pattern=f"{prefix}/*",
+                     webhook={"url": receiver.url}, lease_ttl_ms=60_000)  # fmt: skip
+    path = f"{prefix}/a"
+    create_stream(second, path, {"n": 1})
+    delivery = through(second, receiver.next())
+
+    heartbeat = callback(delivery, [], False)
+    assert (heartbeat.status_code, heartbeat.json()) == (200, {"ok": True, "next_wake": False})
+    done = callback(delivery, [{"stream": path, "offset": tail_of(delivery, path)}], True)
+    assert (done.status_code, done.json()) == (200, {"ok": True, "next_wake": False})
+    assert acked_offsets(first, subscription_id) == {path: tail_of(delivery, path)}
+    append(first, path, {"n": 2})
+    append(second, path, {"n": 3})
+    following = through(first, receiver.next())
+    assert following.body["generation"] > delivery.body["generation"]
+    final = callback(following, [{"stream": path, "offset": tail_of(following, path)}], True)
+    assert final.status_code == 200, final.text
+    if final.json()["next_wake"]:  # the third append came after the wake reported its tail
+        last = receiver.next()
+        callback(last, [{"stream": path, "offset": tail_of(last, path)}], True)
+    time.sleep(NODE_LEASE_SECONDS / 2)  # time for a second waker, if there were one
+    assert receiver.deliveries.empty()
+
+
+def test_a_paused_node_cannot_complete_a_wake_another_took_over(
+    two_nodes: tuple[Server, Server], make_receiver
+) -> None:
+    first, second = two_nodes
+    receiver = make_receiver((200, {}))
+    subscription_id, prefix = unique("sub"), unique("events")
+    put_subscription(first, subscription_id, type="webhook", pattern=f"{prefix}/*",
+                     webhook={"url": receiver.url}, lease_ttl_ms=60_000)  # fmt: skip
+    path = f"{prefix}/a"
+    create_stream(first, path, {"n": 1})
+    paused = receiver.next()
+
+    os.killpg(first.pid, signal.SIGSTOP)  # the node that serves the subscription
+    try:
+        time.sleep(NODE_LEASE_SECONDS + 1)
+        assert acked_offsets(second, subscription_id) == {path: "-1"}  # second takes it over
+        taken = through(second, receiver.next())
+    finally:
+        os.killpg(first.pid, signal.SIGCONT)
+    assert taken.body["generation"] > paused.body["generation"]
+
+    late = callback(paused, [{"stream": path, "offset": tail_of(paused, path)}], True)
+    assert (late.status_code, error_code(late)) == (409, "FENCED")
+    assert acked_offsets(first, subscription_id) == {path: "-1"}
+    done = callback(taken, [{"stream": path, "offset": tail_of(taken, path)}], True)
+    assert (done.status_code, done.json()) == (200, {"ok": True, "next_wake": False})
+
+
+def test_a_node_that_dies_mid_wake_loses_nothing(
+    two_nodes: tuple[Server, Server], make_receiver
+) -> None:
+    first, second = two_nodes
+    receiver = make_receiver((200, {}))
+    subscription_id, prefix = unique("sub"), unique("events")
+    put_subscription(first, subscription_id, type="webhook", pattern=f"{prefix}/*",
+                     webhook={"url": receiver.url}, lease_ttl_ms=60_000)  # fmt: skip
+    path = f"{prefix}/a"
+    create_stream(first, path, {"n": 1})
+    lost = receiver.next()
+
+    first.kill9()
+    # Any request about the subscription reaches a node that takes it over, and with it
+    # the wake that died: delivered again, with no new data and long before its lease.
+    assert acked_offsets(second, subscription_id) == {path: "-1"}
+    again = through(second, receiver.next())
+    assert again.body["generation"] > lost.body["generation"]
+    assert tail_of(again, path) == tail_of(lost, path)
+    late = callback(through(second, lost), [], True)
+    assert (late.status_code, error_code(late)) == (409, "FENCED")
+    done = callback(again, [{"stream": path, "offset": tail_of(again, path)}], True)
+    assert (done.status_code, done.json()) == (200, {"ok": True, "next_wake": False})
