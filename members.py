@@ -349,8 +349,14 @@ class Membership:
             gevent.spawn(self._beat_while_active)
 
     def _beat(self) -> None:
+        """Touch our heartbeat. After a lapse (the process was paused, or storage cut off,
+        past the lease) the claims are looked at first: a beat must not make the lease
+        hold again for partitions another member took meanwhile."""
         sent = time.monotonic()
+        lapsed = not self._lease_holds()
         self.objects.touch(f"{MEMBERS}/{self.member}")
+        if lapsed and self.owned:
+            self._check_claims()
         self.heartbeat_sent = sent
 
     def _beat_while_active(self) -> None:
