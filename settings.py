@@ -1,8 +1,8 @@
 """Every setting PicoMQ reads, declared once: name, default, validation and meaning.
 
 Settings come from `PICOMQ_*` environment variables and are validated at start, so
-a typo fails the boot with a message instead of a request with a 500. The README's
-settings table is checked against `SETTINGS` by the tests.
+a typo fails the boot with a message instead of a request with a 500. The table in
+docs/settings.md is checked against `SETTINGS` by the tests.
 """
 
 from __future__ import annotations
@@ -199,7 +199,7 @@ SETTINGS: tuple[Setting, ...] = (
         "workers",
         "1",
         _positive_int,
-        "gunicorn worker processes; one gevent worker per core is plenty (see README).",
+        "gunicorn worker processes; one gevent worker per core is plenty (docs/operations.md).",
     ),
     Setting(
         "storage_url",
@@ -282,7 +282,7 @@ SETTINGS: tuple[Setting, ...] = (
         "",
         _jwt_secrets,
         "HS256 key (32 bytes or more) that turns access control on, or a JSON object of key"
-        " ids (kid) to keys; empty: off (see README).",
+        " ids (kid) to keys; empty: off (docs/security.md).",
         secret=True,
     ),
     Setting(
@@ -311,7 +311,7 @@ SETTINGS: tuple[Setting, ...] = (
         "",
         _networks,
         "Comma-separated networks (such as 127.0.0.0/8,10.0.0.0/8) webhooks may reach, by"
-        " http or https; empty: only public addresses, by https (see README).",
+        " http or https; empty: only public addresses, by https (docs/security.md).",
     ),
     Setting(
         "webhook_timeout",
