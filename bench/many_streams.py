@@ -1,0 +1,630 @@
+"""What many streams cost PicoMQ: S3 requests and dollars per message, waiting readers, disk.
+
+Each part starts a fresh PicoMQ as compare.py does (one gunicorn gevent worker pinned
+to the server core, on moto_server for the S3 parts, whose access log counts the
+requests) and prints one table, a column per revision measured:
+
+- `s3-producers`: N streams (`--streams`, default 1, 100, 200, 1,000), each with one
+  sequential producer (append, wait for the answer, append again) for `--duration`
+  seconds; the appends in flight then finish. Messages/s, append latency, messages per
+  PUT, PUTs/s, other requests per message, dollars per million messages; then the
+  requests the server makes in the `--drain` seconds after (work the appends left it:
+  compaction, rewrites) per message, and the dollars with them.
+- `s3-lone`: `--lone-appends` appends to one stream of an idle node, one every
+  LONE_GAP_SECONDS: the latency, and the requests made from each append's start to
+  just after its answer.
+- `s3-waiting`: `--waiting-streams` quiet streams: the requests of the idle node over
+  `--duration` seconds, then with one long-poll reader waiting on each (the default
+  20 s timeout, renewed) over `--wait-seconds`; per hour, in all and per stream.
+- `disk-appends`: compare.py's `appends-1` and `appends-1000` loads (wrk, 64
+  connections, over 1 and `--disk-streams` streams) on local disk, and their ratio.
+- `disk-lone`: sequential appends to one stream of an idle server on local disk, one
+  every LIVE_PAUSE_SECONDS: the latency.
+
+Dollars are at AWS S3 Standard list prices (PRICES). `--revision REV` (repeatable)
+runs the server of another git revision, checked out in a temporary worktree as
+ab.py does ("." is the working tree), each part alternating the revisions rep by rep.
+
+    .venv/bin/python bench/many_streams.py                     # every part (≈ 6 min)
+    .venv/bin/python bench/many_streams.py --only s3-waiting --wait-seconds 25
+    .venv/bin/python bench/many_streams.py --revision i32-merge --revision .
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import time
+from collections import Counter
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, replace
+
+import ab
+import compare
+import servers
+from client import Connection, HttpError
+from loads import (
+    JSON_HEADERS,
+    LIVE_PAUSE_SECONDS,
+    LOADS,
+    STREAM_PREFIX,
+    Load,
+    Options,
+    Result,
+    Target,
+    check,
+    cpu_use,
+    create_streams,
+    ignore,
+    long_poll_reader,
+    message,
+    percentile,
+)
+
+# AWS S3 Standard list prices (us-east-1), dollars per request: PUT, COPY, POST and LIST
+# $0.005 per 1,000; GET, HEAD and the rest $0.0004 per 1,000; DELETE is free.
+PRICES = {
+    "PUT": 0.005 / 1000,
+    "POST": 0.005 / 1000,
+    "LIST": 0.005 / 1000,
+    "GET": 0.0004 / 1000,
+    "HEAD": 0.0004 / 1000,
+    "DELETE": 0.0,
+}
+ANSWER_TIMEOUT_SECONDS = 60.0  # an append on moto waits behind every other stream's PUT
+FAILURE_PAUSE_SECONDS = 0.1  # a producer whose append failed tries again after this
+SETTLE_SECONDS = 2.0  # after setup, before counting: what the creates started ends
+LOG_SETTLE_SECONDS = 0.1  # moto logs a request after answering it
+LONE_GAP_SECONDS = 0.5
+DISK_LONE_APPENDS = 200
+MAX_WAIT_SECONDS = 120
+PARTS = ("s3-producers", "s3-lone", "s3-waiting", "disk-appends", "disk-lone")
+GROUPS = {"s3": PARTS[:3], "disk": PARTS[3:]}
+WORKING_TREE = "."
+
+
+@dataclass(frozen=True)
+class Figure:
+    label: str
+    format: str
+
+
+FIGURES = {
+    "msgs_per_s": Figure("messages/s", "{:,.0f}"),
+    "messages": Figure("messages", "{:,.0f}"),
+    "p50_ms": Figure("append p50 ms", "{:,.1f}"),
+    "p99_ms": Figure("append p99 ms", "{:,.1f}"),
+    "max_ms": Figure("append max ms", "{:,.1f}"),
+    "msgs_per_put": Figure("messages per PUT", "{:,.2f}"),
+    "puts_per_s": Figure("PUTs/s", "{:,.1f}"),
+    "others_per_msg": Figure("other requests per message (GET, HEAD, LIST, DELETE)", "{:,.3f}"),
+    "usd_per_million": Figure("$ per million messages, during the load", "{:,.2f}"),
+    "drain_per_msg": Figure("requests per message in the drain after it", "{:,.3f}"),
+    "usd_per_million_drained": Figure("$ per million messages, drain included", "{:,.2f}"),
+    "failed": Figure("appends failed", "{:,.0f}"),
+    "requests_per_append": Figure("requests per lone append (mean)", "{:,.2f}"),
+    "puts_per_append": Figure("PUTs per lone append (mean)", "{:,.2f}"),
+    "idle_node_per_hour": Figure("idle node: requests per hour", "{:,.0f}"),
+    "idle_stream_per_hour": Figure("idle node: requests per hour per stream", "{:,.1f}"),
+    "waiting_node_per_hour": Figure("one long-poll per stream: requests per hour", "{:,.0f}"),
+    "waiting_stream_per_hour": Figure(
+        "one long-poll per stream: requests per hour per stream", "{:,.1f}"
+    ),
+    "ratio": Figure("appends/s over many streams ÷ over one", "{:.2f}"),
+    "server_cpu_pct": Figure("server CPU % of a core", "{:.0f}"),
+    "client_cpu_pct": Figure("client CPU % of a core", "{:.0f}"),
+    "moto_cpu_pct": Figure("moto CPU % of a core", "{:.0f}"),
+}
+DISK_LOADS = {
+    load.name: replace(load, title="local disk: " + load.title.split(") ", 1)[1])
+    for load in LOADS
+    if load.name in ("appends-1", "appends-1000")
+}
+RATIO_PART = "disk-appends ratio"
+
+
+def parse_arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--only",
+        default="all",
+        help=f"comma-separated parts or groups: {', '.join(PARTS)}, s3, disk",
+    )
+    compare.add_harness_arguments(parser, reps=1, duration=10)
+    parser.add_argument(
+        "--streams",
+        default="1,100,200,1000",
+        help="comma-separated stream counts for s3-producers (default 1,100,200,1000)",
+    )
+    parser.add_argument(
+        "--drain", type=float, default=35.0, help="seconds counted after each s3-producers load"
+    )
+    parser.add_argument("--lone-appends", type=int, default=20, help="appends timed by s3-lone")
+    parser.add_argument("--waiting-streams", type=int, default=100, help="streams of s3-waiting")
+    parser.add_argument(
+        "--wait-seconds",
+        type=float,
+        default=30.0,
+        help="seconds the long-polls wait in s3-waiting (above 20 includes a renewal)",
+    )
+    parser.add_argument("--disk-streams", type=int, default=1000, help="streams of disk-appends")
+    parser.add_argument(
+        "--revision",
+        action="append",
+        default=[],
+        help="a git revision whose server to run (repeatable; '.' is the working tree)",
+    )
+    parser.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an environment variable for every server measured (repeatable)",
+    )
+    arguments = parser.parse_args()
+    compare.check_harness_arguments(parser, arguments)
+    if not 0 <= arguments.drain <= MAX_WAIT_SECONDS:
+        parser.error(f"--drain must be 0–{MAX_WAIT_SECONDS} seconds")
+    if not 1 <= arguments.wait_seconds <= MAX_WAIT_SECONDS:
+        parser.error(f"--wait-seconds must be 1–{MAX_WAIT_SECONDS} seconds")
+    if any("=" not in pair for pair in arguments.env):
+        parser.error("--env takes NAME=VALUE")
+    try:
+        arguments.stream_counts = [int(count) for count in arguments.streams.split(",")]
+    except ValueError:
+        parser.error("--streams takes comma-separated numbers")
+    selected = []
+    for name in arguments.only.split(","):
+        name = name.strip()
+        if name == "all":
+            selected += PARTS
+        elif name in GROUPS:
+            selected += GROUPS[name]
+        elif name in PARTS:
+            selected.append(name)
+        else:
+            parser.error(f"unknown part {name!r}")
+    arguments.parts = [part for part in PARTS if part in selected]
+    arguments.revisions = arguments.revision or [WORKING_TREE]
+    return arguments
+
+
+def s3_load_title(streams: int) -> str:
+    each = "one sequential producer" if streams == 1 else "one sequential producer each"
+    return f"S3: {streams:,} stream{'s' * (streams != 1)}, {each}, {{duration}} s"
+
+
+def selected_loads(arguments: argparse.Namespace) -> list[tuple[str, Load]]:
+    """(part, load) for each fresh server the selected parts need, in order."""
+    chosen: list[tuple[str, Load]] = []
+    figures = (
+        "msgs_per_s",
+        "p50_ms",
+        "p99_ms",
+        "msgs_per_put",
+        "puts_per_s",
+        "others_per_msg",
+        "usd_per_million",
+        "drain_per_msg",
+        "usd_per_million_drained",
+        "failed",
+        "server_cpu_pct",
+        "moto_cpu_pct",
+        "client_cpu_pct",
+    )
+    for part in arguments.parts:
+        if part == "s3-producers":
+            for count in arguments.stream_counts:
+                run = producers(count, arguments.drain)
+                load = Load(f"s3-producers-{count}", s3_load_title(count), run, figures, s3=True)
+                chosen.append((part, load))
+        elif part == "s3-lone":
+            title = f"S3: a lone append on an idle node, {arguments.lone_appends} of them"
+            figures_lone = ("p50_ms", "max_ms", "requests_per_append", "puts_per_append")
+            run = lone_appends(arguments.lone_appends)
+            chosen.append((part, Load(part, title, run, figures_lone, s3=True)))
+        elif part == "s3-waiting":
+            count, seconds = arguments.waiting_streams, arguments.wait_seconds
+            title = (
+                f"S3: {count:,} quiet streams, idle {{duration}} s,"
+                f" then one long-poll on each for {seconds:g} s"
+            )
+            figures_waiting = (
+                "idle_node_per_hour",
+                "idle_stream_per_hour",
+                "waiting_node_per_hour",
+                "waiting_stream_per_hour",
+            )
+            run = waiting_readers(count, seconds)
+            chosen.append((part, Load(part, title, run, figures_waiting, s3=True)))
+        elif part == "disk-appends":
+            chosen += [(part, load) for load in DISK_LOADS.values()]
+        elif part == "disk-lone":
+            title = f"local disk: a lone append on an idle server, {DISK_LONE_APPENDS} of them"
+            run = disk_lone_appends(DISK_LONE_APPENDS)
+            chosen.append((part, Load(part, title, run, ("p50_ms", "p99_ms"))))
+    return chosen
+
+
+# S3: sequential producers
+
+
+def producers(count: int, drain: float) -> Callable[[Target, Options], Result]:
+    def run(target: Target, options: Options) -> Result:
+        return asyncio.run(sequential_producers(target, options, count, drain))
+
+    return run
+
+
+async def sequential_producers(
+    target: Target, options: Options, count: int, drain: float
+) -> Result:
+    """`count` streams, a producer each appending one message at a time for the duration.
+
+    Before the count starts, one append to each stream, all at once: a stream's first
+    append after its create costs what a stream's handle costs to load, not what an
+    append costs (on moto, creating 1,000 streams takes longer than the index is
+    trusted, `index_max_age`, so each first append lists the stream again). The appends
+    in flight at the end are waited for, so every request counted belongs to a message
+    counted. Then the `drain`: requests the server makes once the load has stopped,
+    such as compacting or rewriting what it wrote, per message of the load.
+    """
+    assert target.moto is not None
+    paths = [f"{STREAM_PREFIX}p{number}" for number in range(count)]
+    setup_started = time.monotonic()
+    await create_streams(target.port, paths)
+    created = time.monotonic() - setup_started
+    warm_ups = await asyncio.gather(
+        *(append_once(target.port, path) for path in paths), return_exceptions=True
+    )
+    warmed = time.monotonic() - setup_started - created
+    await asyncio.sleep(SETTLE_SECONDS)
+    _, mark = servers.count_s3_requests(target.moto.log_path, 0)
+    result = Result()
+    latencies: list[float] = []
+    failures: Counter[str] = Counter()
+    started, moto_cpu = time.monotonic(), target.moto.cpu_seconds()
+    with cpu_use(target, result):
+        stop_at = started + options.duration
+        await asyncio.gather(
+            *(produce(target.port, path, stop_at, latencies, failures) for path in paths)
+        )
+        elapsed = time.monotonic() - started
+    moto_cpu = target.moto.cpu_seconds() - moto_cpu
+    await asyncio.sleep(LOG_SETTLE_SECONDS)
+    counts, mark = servers.count_s3_requests(target.moto.log_path, mark)
+    await asyncio.sleep(drain)
+    drained, _ = servers.count_s3_requests(target.moto.log_path, mark)
+    messages = max(1, len(latencies))
+    others = sum(counts.values()) - counts["PUT"]
+    result.figures.update(
+        messages=len(latencies),
+        msgs_per_s=len(latencies) / elapsed,
+        p50_ms=1000 * percentile(latencies, 0.50),
+        p99_ms=1000 * percentile(latencies, 0.99),
+        msgs_per_put=len(latencies) / counts["PUT"] if counts["PUT"] else math.nan,
+        puts_per_s=counts["PUT"] / elapsed,
+        others_per_msg=others / messages,
+        usd_per_million=1e6 * dollars(counts) / messages,
+        drain_per_msg=sum(drained.values()) / messages,
+        usd_per_million_drained=1e6 * dollars(counts + drained) / messages,
+        failed=sum(failures.values()),
+        moto_cpu_pct=100 * moto_cpu / elapsed,
+    )
+    result.details.append(
+        f"streams created in {created:.1f} s, one append to each in {warmed:.1f} s;"
+        f" {len(latencies):,} messages in {elapsed:.1f} s; moto saw {dict(counts)},"
+        f" then in {drain:g} s {dict(drained)}"
+    )
+    result.notes += [f"{times} appends failed: {error}" for error, times in failures.items()]
+    failed_warm_ups = Counter(repr(error)[:120] for error in warm_ups if error is not None)
+    result.notes += [f"{times} first appends failed: {e}" for e, times in failed_warm_ups.items()]
+    return result
+
+
+async def append_once(port: int, path: str) -> None:
+    connection = Connection(port)
+    try:
+        response = await asyncio.wait_for(
+            connection.request("POST", path, JSON_HEADERS, message()), ANSWER_TIMEOUT_SECONDS
+        )
+        check(response.status, "POST")
+    finally:
+        await connection.close()
+
+
+async def produce(
+    port: int, path: str, stop_at: float, latencies: list[float], failures: Counter[str]
+) -> None:
+    """Append one message at a time until `stop_at`, each sent once the last is answered."""
+    connection = Connection(port)
+    number = 0
+    try:
+        while time.monotonic() < stop_at:
+            sent = time.monotonic()
+            try:
+                response = await asyncio.wait_for(
+                    connection.request("POST", path, JSON_HEADERS, message(number)),
+                    ANSWER_TIMEOUT_SECONDS,
+                )
+                check(response.status, "POST")
+            except (HttpError, OSError, TimeoutError) as error:
+                failures[repr(error)[:120]] += 1
+                await connection.close()  # its state is unknown: the next request reopens it
+                await asyncio.sleep(FAILURE_PAUSE_SECONDS)
+                continue
+            latencies.append(time.monotonic() - sent)
+            number += 1
+    finally:
+        await connection.close()
+
+
+def dollars(counts: Counter[str]) -> float:
+    """What these requests cost at PRICES; a kind not listed is priced as a GET."""
+    return sum(times * PRICES.get(kind, PRICES["GET"]) for kind, times in counts.items())
+
+
+# S3: a lone append on an idle node
+
+
+def lone_appends(count: int) -> Callable[[Target, Options], Result]:
+    def run(target: Target, options: Options) -> Result:
+        return asyncio.run(time_lone_appends(target, count))
+
+    return run
+
+
+async def time_lone_appends(target: Target, count: int) -> Result:
+    """Appends one at a time, LONE_GAP_SECONDS apart, each with the requests it made.
+
+    A request counts for an append when moto logged it between the append's start and
+    LOG_SETTLE_SECONDS after its answer; what the node does meanwhile (a heartbeat, say)
+    can fall in that window, so the details list each append's requests.
+    """
+    assert target.moto is not None
+    path = f"{STREAM_PREFIX}lone"
+    await create_streams(target.port, [path])
+    await asyncio.sleep(SETTLE_SECONDS)
+    connection = Connection(target.port)
+    latencies: list[float] = []
+    each: Counter[str] = Counter()
+    total: Counter[str] = Counter()
+    between: Counter[str] = Counter()
+    _, mark = servers.count_s3_requests(target.moto.log_path, 0)
+    for number in range(count):
+        await asyncio.sleep(LONE_GAP_SECONDS)
+        idle, mark = servers.count_s3_requests(target.moto.log_path, mark)
+        between += idle
+        sent = time.monotonic()
+        response = await asyncio.wait_for(
+            connection.request("POST", path, JSON_HEADERS, message(number)),
+            ANSWER_TIMEOUT_SECONDS,
+        )
+        check(response.status, "POST")
+        latencies.append(time.monotonic() - sent)
+        await asyncio.sleep(LOG_SETTLE_SECONDS)
+        made, mark = servers.count_s3_requests(target.moto.log_path, mark)
+        total += made
+        each[" ".join(f"{kind}×{times}" for kind, times in sorted(made.items())) or "none"] += 1
+    await connection.close()
+    result = Result()
+    result.figures.update(
+        p50_ms=1000 * percentile(latencies, 0.50),
+        max_ms=1000 * max(latencies),
+        requests_per_append=sum(total.values()) / count,
+        puts_per_append=total["PUT"] / count,
+    )
+    shapes = ", ".join(f"{shape}: {times}" for shape, times in each.most_common())
+    result.details.append(f"requests of each append: {shapes}; between appends {dict(between)}")
+    return result
+
+
+# S3: readers waiting on quiet streams
+
+
+def waiting_readers(count: int, seconds: float) -> Callable[[Target, Options], Result]:
+    def run(target: Target, options: Options) -> Result:
+        return asyncio.run(count_waiting_requests(target, options, count, seconds))
+
+    return run
+
+
+async def count_waiting_requests(
+    target: Target, options: Options, count: int, seconds: float
+) -> Result:
+    """The requests of a node with `count` quiet streams: idle, then with a long-poll on each.
+
+    The streams are created empty, so that nothing written needs work later (a rewrite)
+    while the readers wait. The readers start after the idle window and are counted
+    from their first request; each renews its long-poll when it times out.
+    """
+    assert target.moto is not None
+    paths = [f"{STREAM_PREFIX}quiet{number}" for number in range(count)]
+    tail = await create_streams(target.port, paths)
+    await asyncio.sleep(SETTLE_SECONDS)
+    _, mark = servers.count_s3_requests(target.moto.log_path, 0)
+    await asyncio.sleep(options.duration)
+    idle, mark = servers.count_s3_requests(target.moto.log_path, mark)
+    readers = [
+        asyncio.create_task(long_poll_reader(target.port, path, tail, ignore)) for path in paths
+    ]
+    await asyncio.sleep(seconds)
+    waiting, _ = servers.count_s3_requests(target.moto.log_path, mark)
+    for reader in readers:
+        reader.cancel()
+    outcomes = await asyncio.gather(*readers, return_exceptions=True)
+    result = Result()
+    for outcome in outcomes:
+        if not isinstance(outcome, asyncio.CancelledError):
+            result.notes.append(f"a long-poll reader failed: {outcome!r}")
+    idle_per_hour = sum(idle.values()) * 3600 / options.duration
+    waiting_per_hour = sum(waiting.values()) * 3600 / seconds
+    result.figures.update(
+        idle_node_per_hour=idle_per_hour,
+        idle_stream_per_hour=idle_per_hour / count,
+        waiting_node_per_hour=waiting_per_hour,
+        waiting_stream_per_hour=waiting_per_hour / count,
+    )
+    result.details.append(
+        f"idle {options.duration} s: moto saw {dict(idle)};"
+        f" {count} long-polls for {seconds:g} s: {dict(waiting)}"
+    )
+    return result
+
+
+# Local disk: a lone append on an idle server
+
+
+def disk_lone_appends(count: int) -> Callable[[Target, Options], Result]:
+    def run(target: Target, options: Options) -> Result:
+        return asyncio.run(time_disk_lone_appends(target, count))
+
+    return run
+
+
+async def time_disk_lone_appends(target: Target, count: int) -> Result:
+    """Appends to one stream one at a time, LIVE_PAUSE_SECONDS apart, as the live loads."""
+    path = f"{STREAM_PREFIX}lone"
+    await create_streams(target.port, [path])
+    connection = Connection(target.port)
+    latencies: list[float] = []
+    for number in range(count):
+        await asyncio.sleep(LIVE_PAUSE_SECONDS)
+        sent = time.monotonic()
+        response = await asyncio.wait_for(
+            connection.request("POST", path, JSON_HEADERS, message(number)),
+            ANSWER_TIMEOUT_SECONDS,
+        )
+        check(response.status, "POST")
+        latencies.append(time.monotonic() - sent)
+    await connection.close()
+    result = Result()
+    result.figures.update(
+        p50_ms=1000 * percentile(latencies, 0.50), p99_ms=1000 * percentile(latencies, 0.99)
+    )
+    return result
+
+
+# The run and its table
+
+
+def main() -> None:
+    arguments = parse_arguments()
+    options = Options(
+        duration=arguments.duration,
+        streams=arguments.disk_streams,
+        client_core=arguments.client_core,
+    )
+    environment = dict(pair.split("=", 1) for pair in arguments.env)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    os.sched_setaffinity(0, {arguments.client_core})
+    open_files = servers.raise_open_file_limit()
+    machine, command = compare.describe_run("bench/many_streams.py", open_files)
+    chosen = selected_loads(arguments)
+    runs: list[compare.Run] = []
+    labels = {revision: revision_label(revision) for revision in arguments.revisions}
+    with ExitStack() as stack:
+        settings = {}
+        for revision in arguments.revisions:
+            tree = stack.enter_context(
+                ab.checked_out(None if revision == WORKING_TREE else revision)
+            )
+            settings[revision] = compare.Settings(
+                server_core=arguments.server_core,
+                profile=False,
+                profile_dir=compare.RESULTS_DIR,
+                picomq_tree=tree,
+                picomq_env=environment,
+            )
+        work_root = stack.enter_context(compare.work_area(keep=False))
+        for _, load in chosen:
+            print(f"\n{load.title.format(**vars(options))}", flush=True)
+            for rep in range(arguments.reps):
+                order = arguments.revisions if rep % 2 == 0 else arguments.revisions[::-1]
+                for revision in order:
+                    work_dir = work_root / f"{load.name}-{len(runs)}"
+                    work_dir.mkdir()
+                    run = compare.measure(
+                        load, "picomq", rep, work_dir, options, settings[revision]
+                    )
+                    run.server = labels[revision]
+                    runs.append(run)
+                    print(f"  rep {rep + 1} {run.server}: {summarize(load, run)}", flush=True)
+    measured = [load for _, load in chosen]
+    print(f"\n{format_table(measured, runs, list(labels.values()), options)}")
+    print(compare.format_notes(runs))
+    for run in runs:
+        for detail in run.details:
+            print(f"- {run.load}, {run.server}, rep {run.rep + 1}: {detail}")
+    compare.save(machine, command, stamp, runs, kind="many-streams")
+
+
+def revision_label(revision: str) -> str:
+    """A revision as the table's column names it: as given, and the commit it is."""
+    if revision == WORKING_TREE:
+        return f"working tree ({compare.git('describe', '--always', '--dirty')})"
+    return f"{revision} ({compare.git('rev-parse', '--short', revision) or 'unknown'})"
+
+
+def summarize(load: Load, run: compare.Run) -> str:
+    if run.error:
+        return f"FAILED: {run.error.splitlines()[0][:200]}"
+    return " · ".join(
+        f"{figure_of(key).label} {figure_of(key).format.format(run.figures[key])}"
+        for key in load.figures
+        if key in run.figures
+    )
+
+
+def figure_of(key: str) -> Figure | compare.Figure:
+    return FIGURES.get(key) or compare.FIGURES[key]
+
+
+def format_table(
+    measured: list[Load], runs: list[compare.Run], revisions: list[str], options: Options
+) -> str:
+    """One row per figure, one column per revision: the median of its reps (min–max)."""
+    lines = [
+        "| part | figure | " + " | ".join(revisions) + " |",
+        "|---|---|" + "---:|" * len(revisions),
+    ]
+    for load in measured:
+        title = load.title.format(**vars(options))
+        for row, key in enumerate(load.figures):
+            figure = figure_of(key)
+            cells = []
+            for revision in revisions:
+                mine = [run for run in runs if run.load == load.name and run.server == revision]
+                values = [run.figures[key] for run in mine if key in run.figures]
+                failed = sum(1 for run in mine if run.error)
+                cell = compare.spread(values, figure.format)
+                cells.append(cell + (f" ({failed} failed)" if failed else ""))
+            lines.append(f"| {title if row == 0 else ''} | {figure.label} | {' | '.join(cells)} |")
+    if all(name in {load.name for load in measured} for name in DISK_LOADS):
+        cells = [compare.spread(disk_ratios(runs, revision), "{:.2f}") for revision in revisions]
+        lines.append(f"| local disk | {FIGURES['ratio'].label} | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
+def disk_ratios(runs: list[compare.Run], revision: str) -> list[float]:
+    """appends-1000 ÷ appends-1 of one revision, rep by rep."""
+    rates = {
+        (run.load, run.rep): run.figures.get("msgs_per_s")
+        for run in runs
+        if run.server == revision and run.load in DISK_LOADS
+    }
+    reps = sorted({rep for _, rep in rates})
+    return [
+        rates[("appends-1000", rep)] / rates[("appends-1", rep)]
+        for rep in reps
+        if rates.get(("appends-1000", rep)) and rates.get(("appends-1", rep))
+    ]
+
+
+if __name__ == "__main__":
+    main()
