@@ -9,14 +9,19 @@ requests) and prints one table, a column per revision measured:
   seconds, after one append to each that is not counted (it loads the stream); the
   appends in flight at the end finish and count. Messages/s, append latency, messages
   per PUT, PUTs/s, other requests per message, dollars per million messages; then the
-  requests the server makes in the `--drain` seconds after (the work the appends left
-  it: compaction, rewrites) per message, and the dollars with them.
+  requests the server makes in the drain after (the work the appends left it:
+  compaction, rewrites of the shared log) per message, and the dollars with them. The
+  drain lasts `--drain` seconds (35: above PICOMQ_REWRITE_SECONDS, 30 by default) and
+  on until the server is quiet. A stream's records are rewritten once per
+  PICOMQ_REWRITE_SECONDS: after a load shorter than that, each stream's one rewrite is
+  shared by fewer messages than it would be under a steady load.
 - `s3-lone`: `--lone-appends` appends to one stream of an idle node, LONE_GAP_SECONDS
   apart: the latency, and the requests made from each append's start to just after
   its answer.
 - `s3-waiting`: `--waiting-streams` quiet streams: the requests of the idle node over
-  `--duration` seconds, then with one long-poll reader waiting on each (the default
-  20 s timeout, renewed) over `--wait-seconds`; per hour, in all and per stream.
+  `--duration` seconds (from MEMBER_QUIET_SECONDS after the creates), then with one
+  long-poll reader waiting on each (the default 20 s timeout, renewed): the requests
+  that start them, then per hour over `--wait-seconds`, in all and per stream.
 - `disk-appends`: compare.py's `appends-1` and `appends-1000` loads (wrk, 64
   connections, over 1 and `--disk-streams` streams) on local disk, and their ratio.
 - `disk-lone`: sequential appends to one stream of an idle server on local disk,
@@ -31,7 +36,7 @@ rep by rep.
 
     .venv/bin/python bench/many_streams.py            # every part: 8 min on today's code
     .venv/bin/python bench/many_streams.py --only s3 --streams 1,100 --drain 5
-    .venv/bin/python bench/many_streams.py --revision i32-merge --revision .
+    .venv/bin/python bench/many_streams.py --revision ef47b81 --revision .
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from collections import Counter
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import ab
 import compare
@@ -89,7 +95,14 @@ SETTLE_SECONDS = 2.0  # after setup, before counting: what the creates started e
 LOG_SETTLE_SECONDS = 0.1  # moto logs a request after answering it
 LONE_GAP_SECONDS = 0.5  # between lone appends: the node is idle again before each
 DISK_LONE_APPENDS = 200
-MAX_WAIT_SECONDS = 120  # for --drain and --wait-seconds
+MAX_WAIT_SECONDS = 120  # for --drain and --wait-seconds; a drain ends by then
+# A drain goes on past --drain while moto still hears from the server: rewrites of
+# 1,000 streams take a while, and a member holding records beats every 3.3 s meanwhile.
+DRAIN_QUIET_SECONDS = 5.0
+# A member heartbeats for a lease (PICOMQ_LEASE_SECONDS, 10 s) after its last request:
+# the idle window starts once that is over, so that it counts what idling costs.
+MEMBER_QUIET_SECONDS = 15.0
+READERS_START_SECONDS = 5.0  # their first long-polls are answered or waiting by then
 WORKING_TREE = "."
 
 
@@ -115,6 +128,7 @@ FIGURES = {
     "puts_per_append": Figure("PUTs per lone append (mean)", "{:,.2f}"),
     "idle_node_per_hour": Figure("idle node: requests per hour", "{:,.0f}"),
     "idle_stream_per_hour": Figure("idle node: requests per hour per stream", "{:,.1f}"),
+    "waiting_start": Figure("one long-poll per stream: requests to start them (once)", "{:,.0f}"),
     "waiting_node_per_hour": Figure("one long-poll per stream: requests per hour", "{:,.0f}"),
     "waiting_stream_per_hour": Figure(
         "one long-poll per stream: requests per hour per stream", "{:,.1f}"
@@ -249,6 +263,7 @@ LONE_FIGURES = ("p50_ms", "max_ms", "requests_per_append", "puts_per_append")
 WAITING_FIGURES = (
     "idle_node_per_hour",
     "idle_stream_per_hour",
+    "waiting_start",
     "waiting_node_per_hour",
     "waiting_stream_per_hour",
 )
@@ -338,16 +353,40 @@ async def sequential_producers(
     result.figures["moto_cpu_pct"] = 100 * (target.moto.cpu_seconds() - moto_cpu) / elapsed
     await asyncio.sleep(LOG_SETTLE_SECONDS)
     counts, mark = servers.count_s3_requests(target.moto.log_path, mark)
-    await asyncio.sleep(drain)
-    drained, _ = servers.count_s3_requests(target.moto.log_path, mark)
+    drained, drained_for = await count_drain(target.moto.log_path, mark, drain)
     add_request_figures(result, latencies, elapsed, counts, drained)
     result.figures["failed"] = sum(failures.values())
     result.details.append(
         f"{setup}; {len(latencies):,} messages in {elapsed:.1f} s; moto saw {dict(counts)},"
-        f" then in {drain:g} s {dict(drained)}"
+        f" then in {drained_for:.0f} s {dict(drained)}"
     )
+    if drained_for >= MAX_WAIT_SECONDS:
+        result.notes.append(f"the server still made requests {MAX_WAIT_SECONDS} s after the load")
     result.notes += [f"{times} appends failed: {error}" for error, times in failures.items()]
     return result
+
+
+async def count_drain(log_path: Path, mark: int, drain: float) -> tuple[Counter[str], float]:
+    """The requests moto logged after `mark` until the server went quiet; how long it took.
+
+    The window lasts `drain` seconds, and on until DRAIN_QUIET_SECONDS pass without a
+    request (MAX_WAIT_SECONDS at most).
+    A rewrite is due PICOMQ_REWRITE_SECONDS after a record is logged, so a `drain` above
+    it sees every record of the load rewritten once; the quiet that ends it makes sure
+    the rewrites have finished, however many streams they cover.
+    """
+    started = time.monotonic()
+    drained: Counter[str] = Counter()
+    heard = started
+    while (now := time.monotonic()) - started < MAX_WAIT_SECONDS:
+        if now - started >= drain and now - heard >= DRAIN_QUIET_SECONDS:
+            break
+        await asyncio.sleep(1.0)
+        made, mark = servers.count_s3_requests(log_path, mark)
+        if made:
+            drained += made
+            heard = time.monotonic()
+    return drained, time.monotonic() - started
 
 
 async def prepare_streams(port: int, paths: list[str], result: Result) -> str:
@@ -505,19 +544,24 @@ async def count_waiting_requests(
     """The requests of a node with `count` quiet streams: idle, then with a long-poll on each.
 
     The streams are created empty, so that nothing written needs work later (a rewrite)
-    while the readers wait. The readers start after the idle window and are counted
-    from their first request; each renews its long-poll when it times out.
+    while the readers wait. The idle window starts MEMBER_QUIET_SECONDS after the
+    creates. The readers start after it; what starting them costs (loading the streams,
+    a member claiming their partitions again) is counted apart, over READERS_START_SECONDS,
+    and the rate per hour over the `seconds` after. Each renews its long-poll when it
+    times out.
     """
     assert target.moto is not None
     paths = [f"{STREAM_PREFIX}quiet{number}" for number in range(count)]
     tail = await create_streams(target.port, paths)
-    await asyncio.sleep(SETTLE_SECONDS)
+    await asyncio.sleep(MEMBER_QUIET_SECONDS)
     _, mark = servers.count_s3_requests(target.moto.log_path, 0)
     await asyncio.sleep(options.duration)
     idle, mark = servers.count_s3_requests(target.moto.log_path, mark)
     readers = [
         asyncio.create_task(long_poll_reader(target.port, path, tail, ignore)) for path in paths
     ]
+    await asyncio.sleep(READERS_START_SECONDS)
+    start, mark = servers.count_s3_requests(target.moto.log_path, mark)
     await asyncio.sleep(seconds)
     waiting, _ = servers.count_s3_requests(target.moto.log_path, mark)
     for reader in readers:
@@ -534,10 +578,11 @@ async def count_waiting_requests(
         idle_stream_per_hour=idle_per_hour / count,
         waiting_node_per_hour=waiting_per_hour,
         waiting_stream_per_hour=waiting_per_hour / count,
+        waiting_start=sum(start.values()),
     )
     result.details.append(
-        f"idle {options.duration} s: moto saw {dict(idle)};"
-        f" {count} long-polls for {seconds:g} s: {dict(waiting)}"
+        f"idle {options.duration} s: moto saw {dict(idle)}; {count} long-polls starting:"
+        f" {dict(start)}, then for {seconds:g} s: {dict(waiting)}"
     )
     return result
 
