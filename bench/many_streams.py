@@ -34,9 +34,8 @@ REV` (repeatable) runs the server of another git revision, checked out in a temp
 worktree as ab.py does ("." is the working tree); each part alternates the revisions
 rep by rep.
 
-    .venv/bin/python bench/many_streams.py            # every part: 8 min on today's code
+    .venv/bin/python bench/many_streams.py --revision ef47b81 --revision .   # 16 min
     .venv/bin/python bench/many_streams.py --only s3 --streams 1,100 --drain 5
-    .venv/bin/python bench/many_streams.py --revision ef47b81 --revision .
 """
 
 from __future__ import annotations
