@@ -201,9 +201,10 @@ def moto(work_dir: Path) -> Server:
     )
 
 
-# werkzeug's access log line; answers other than 2xx have the request in ANSI colours.
+# werkzeug's access log line; answers other than 200 have the request in ANSI styles,
+# one code (404: yellow) or two (any other 2xx, 4xx or 5xx: bold and a colour).
 S3_REQUEST_LINE = re.compile(
-    rb'"(?:\x1b\[[\d;]*m)?(GET|PUT|HEAD|POST|DELETE) (\S+) HTTP/1\.[01](?:\x1b\[[\d;]*m)?" (\d{3})'
+    rb'"(?:\x1b\[[\d;]*m)*(GET|PUT|HEAD|POST|DELETE) (\S+) HTTP/1\.[01](?:\x1b\[[\d;]*m)*" (\d{3})'
 )
 
 
