@@ -628,22 +628,32 @@ def test_webhook_delivery_is_signed_and_done_reply_acks(server: Server, make_rec
         "the done reply to acknowledge the tail",
     )
 
+def first_wake(
+    subscribed: Server, written: Server, receiver: Receiver
+) -> tuple[str, str, Delivery]:
+    """A webhook subscription to `receiver` made through `subscribed`, one stream it
+    links created through `written`: the subscription's id, the stream's path and the
+    first delivery."""
+    subscription_id, prefix = unique("sub"), unique("events")
+    put_subscription(subscribed, subscription_id, type="webhook", pattern=f"{prefix}/*",
+                     webhook={"url": receiver.url}, lease_ttl_ms=60_000)  # fmt: skip
+    path = f"{prefix}/a"
+    create_stream(written, path, {"n": 1})
+    return subscription_id, path, receiver.next()
+
+
 
 def test_webhook_callback_acks_and_fences(server: Server, make_receiver) -> None:
     receiver = make_receiver((200, {}))
-    subscription_id, prefix = unique("sub"), unique("events")
-    put_subscription(server, subscription_id, type="webhook", pattern=f"{prefix}/*",
-                     webhook={"url": receiver.url}, lease_ttl_ms=60_000)  # fmt: skip
-    path = f"{prefix}/a"
-    create_stream(server, path, {"n": 1})
-    first = receiver.next()
+    subscription_id, path, first = first_wake(server, server, receiver)
     tail = tail_of(first, path)
 
     unauthenticated = requests.post(first.body["callback_url"], json={}, timeout=10)
     assert (unauthenticated.status_code, error_code(unauthenticated)) == (401, "TOKEN_INVALID")
     forged = callback(first, [], False, token=first.body["callback_token"] + "x")
     assert (forged.status_code, error_code(forged)) == (401, "TOKEN_INVALID")
-    unlinked = callback(first, [{"stream": f"{prefix}/other", "offset": tail}], False)
+    other = path.rsplit("/", 1)[0] + "/other"  # matches the pattern, but not linked
+    unlinked = callback(first, [{"stream": other, "offset": tail}], False)
     assert (unlinked.status_code, error_code(unlinked)) == (409, "INVALID_OFFSET")
     beyond = callback(
         first, [{"stream": path, "offset": "0000000000000000_0000000099999999"}], False
@@ -995,12 +1005,8 @@ def test_a_webhook_callback_through_the_other_node(
 ) -> None:
     first, second = two_nodes
     receiver = make_receiver((200, {}))
-    subscription_id, prefix = unique("sub"), unique("events")
-    put_subscription(first, subscription_id, type="webhook", pattern=f"{prefix}/*",
-                     webhook={"url": receiver.url}, lease_ttl_ms=60_000)  # fmt: skip
-    path = f"{prefix}/a"
-    create_stream(second, path, {"n": 1})
-    delivery = through(second, receiver.next())
+    subscription_id, path, delivery = first_wake(first, second, receiver)
+    delivery = through(second, delivery)
 
     heartbeat = callback(delivery, [], False)
     assert (heartbeat.status_code, heartbeat.json()) == (200, {"ok": True, "next_wake": False})
@@ -1025,12 +1031,7 @@ def test_a_paused_node_cannot_complete_a_wake_another_took_over(
 ) -> None:
     first, second = two_nodes
     receiver = make_receiver((200, {}))
-    subscription_id, prefix = unique("sub"), unique("events")
-    put_subscription(first, subscription_id, type="webhook", pattern=f"{prefix}/*",
-                     webhook={"url": receiver.url}, lease_ttl_ms=60_000)  # fmt: skip
-    path = f"{prefix}/a"
-    create_stream(first, path, {"n": 1})
-    paused = receiver.next()
+    subscription_id, path, paused = first_wake(first, first, receiver)
 
     os.killpg(first.pid, signal.SIGSTOP)  # the node that serves the subscription
     try:
@@ -1053,12 +1054,7 @@ def test_a_node_that_dies_mid_wake_loses_nothing(
 ) -> None:
     first, second = two_nodes
     receiver = make_receiver((200, {}))
-    subscription_id, prefix = unique("sub"), unique("events")
-    put_subscription(first, subscription_id, type="webhook", pattern=f"{prefix}/*",
-                     webhook={"url": receiver.url}, lease_ttl_ms=60_000)  # fmt: skip
-    path = f"{prefix}/a"
-    create_stream(first, path, {"n": 1})
-    lost = receiver.next()
+    subscription_id, path, lost = first_wake(first, first, receiver)
 
     first.kill9()
     # Any request about the subscription reaches a node that takes it over, and with it
