@@ -133,6 +133,7 @@ class Membership:
         self._claims: dict[int, Owner] = {}  # the latest claim read of each partition
         self._beating = False
         self._resolving = [Semaphore() for _ in range(PARTITIONS)]
+        self._renewing = Semaphore()  # one beat for all who find the lease lapsed
 
     @property
     def started(self) -> bool:
@@ -187,11 +188,9 @@ class Membership:
             return self._resolve(partition)
 
     def _resolve(self, partition: int) -> Owner | None:
-        self._keep_heartbeat()
-        if partition in self.owned:  # our lease lapsed: is the claim still ours?
-            self.owners.pop(partition, None)
-            if self.log_fenced():  # taken over meanwhile: we retired; resolve anew
-                return self._resolve(partition)
+        self._keep_heartbeat()  # after a lapse, it lets go of what was taken (`_beat`)
+        if partition in self.owned:
+            return None
         owner = self.owners.get(partition) or self._read_owner(partition)
         if owner is None or (owner.member != self.member and self._is_dead(owner)):
             return self._claim(partition, owner)
@@ -342,8 +341,11 @@ class Membership:
         return time.monotonic() - self.heartbeat_sent < self.lease_seconds * 2 / 3
 
     def _keep_heartbeat(self) -> None:
-        """Heartbeat now, and every third of the lease while we are asked to serve."""
-        self._beat()
+        """Heartbeat now unless the lease holds, and every third of the lease while we
+        are asked to serve."""
+        with self._renewing:
+            if not self._lease_holds():
+                self._beat()
         if not self._beating:
             self._beating = True
             gevent.spawn(self._beat_while_active)
@@ -355,7 +357,7 @@ class Membership:
         sent = time.monotonic()
         lapsed = not self._lease_holds()
         self.objects.touch(f"{MEMBERS}/{self.member}")
-        if lapsed and self.owned:
+        if lapsed and self.owned:  # the claims, and our log's fence if one was taken
             self._check_claims()
         self.heartbeat_sent = sent
 
