@@ -37,7 +37,7 @@ import orjson
 from gevent.event import AsyncResult
 
 from objectstore import ObjectStore, StorageUnavailable
-from segments import count_within
+from segments import CorruptSegment, count_within, decode_header, verify_payload
 
 log = logging.getLogger("picomq.log")
 
@@ -288,7 +288,8 @@ def read_log(objects: ObjectStore, member: str, below: int) -> tuple[list[int], 
     objects, and their records in order.
 
     Only a flush never acknowledged can be torn (the last one stored before a crash,
-    whose sync did not return): such an object is skipped. Fences are not counted:
+    whose sync did not return): such an object, and any whose records do not verify,
+    is skipped. Fences are not counted:
     they must stay while the member they fence may still try to write.
     """
     seqs, records = [], []
@@ -301,10 +302,18 @@ def read_log(objects: ObjectStore, member: str, below: int) -> tuple[list[int], 
             continue
         seqs.append(seq)
         try:
-            records += decode_log(data)[1]
-        except ValueError as error:
+            records += _whole(decode_log(data)[1])
+        except (ValueError, CorruptSegment, struct.error) as error:
             log.warning("skipping torn log object %s: %s", log_key(member, seq), error)
     return seqs, records
+
+
+def _whole(records: list[Record]) -> list[Record]:
+    """Check each record's checksums: a log object linked before its blocks reached the
+    disk (localdisk.py) may read back with its header whole and zeros after it."""
+    for record in records:
+        verify_payload(record.data, decode_header(record.data)[0])
+    return records
 
 
 def _numbers(objects: ObjectStore, member: str) -> list[int]:

@@ -23,6 +23,7 @@ import pytest
 import requests
 from conftest import follow_stream
 
+from log import Record, encode_log, log_key
 from segments import StreamState, encode_segment, positions
 
 if TYPE_CHECKING:
@@ -462,45 +463,74 @@ def test_close_racing_appends_survives_kill9(start_server: StartServer, unique_s
 # -- 4. a torn tail left by a crash -----------------------------------------------------
 
 
-def segment_directory(server: Server) -> Path:
-    """The one stream's segment directory (layout in storage.py's module docstring)."""
-    directories = list(server.data_dir.glob("streams/*/*/seg"))
-    assert len(directories) == 1, directories
-    return directories[0]
+def stream_prefix(server: Server) -> Path:
+    """The one stream's folder (streams/<key>/<incarnation>: docs/storage.md)."""
+    folders = [path for path in server.data_dir.glob("streams/*/*") if path.is_dir()]
+    assert len(folders) == 1, folders
+    return folders[0]
 
 
-def torn_segment(position: int, how: str) -> bytes | None:
-    """What a crash in the middle of writing the next segment could leave at `position`."""
-    payload = b"never acknowledged\n"
-    state = StreamState(tail=position + len(payload))
-    whole, _ = encode_segment(position, payload, positions([len(payload)]), positions(), state)
-    header_end = len(whole) - len(payload)
+def log_directory(server: Server) -> Path:
+    """The log of the server's one member (docs/shared-log.md)."""
+    members = [path for path in (server.data_dir / "log").iterdir() if path.is_dir()]
+    assert len(members) == 1, members
+    return members[0]
+
+
+TEARS = ["empty", "torn-in-header", "torn-in-payload", "payload-never-written", "all-zeros"]
+
+
+def torn(whole: bytes, header_end: int, how: str) -> bytes:
+    """What a crash in the middle of writing `whole` (a header of `header_end` bytes,
+    then a payload) could leave under its name."""
     return {
-        "stray-temp-file-only": None,
-        "empty-next-segment": b"",
+        "empty": b"",
         "torn-in-header": whole[: header_end // 2],
-        "torn-in-payload": whole[: header_end + len(payload) // 2],
+        "torn-in-payload": whole[: header_end + (len(whole) - header_end) // 2],
         # Linked before its data was synced (localdisk.publish_then_sync): the size
         # may reach the disk without the blocks, which read back as zeros.
-        "payload-never-written": whole[:header_end] + bytes(len(payload)),
+        "payload-never-written": whole[:header_end] + bytes(len(whole) - header_end),
         "all-zeros": bytes(len(whole)),
     }[how]
 
 
-@pytest.mark.parametrize(
-    "how",
-    [
-        "stray-temp-file-only",
-        "empty-next-segment",
-        "torn-in-header",
-        "torn-in-payload",
-        "payload-never-written",
-        "all-zeros",
-    ],
-)
-def test_torn_tail_after_crash_is_dropped(
-    start_server: StartServer, unique_stream: str, how: str
+def segment_at(position: int, payload: bytes) -> tuple[bytes, int]:
+    """A whole segment at `position` holding `payload`, and where its payload begins."""
+    state = StreamState(tail=position + len(payload))
+    whole, _ = encode_segment(position, payload, positions([len(payload)]), positions(), state)
+    return whole, len(whole) - len(payload)
+
+
+def tear_next_log_object(server: Server, path: str, position: int, how: str) -> None:
+    """The member's next log object, holding a commit never acknowledged, torn."""
+    directory = log_directory(server)
+    numbers = [int(name.name) for name in directory.iterdir() if name.name.isdigit()]
+    segment, _ = segment_at(position, b"never acknowledged\n")
+    prefix = str(stream_prefix(server).relative_to(server.data_dir))
+    whole = encode_log("0" * 32, [Record(path, prefix, position, segment)])
+    next_object = server.data_dir / log_key(directory.name, max(numbers) + 1)
+    next_object.write_bytes(torn(whole, len(whole) - len(segment), how))
+    (directory / ".tmp-0123456789abcdef0123456789abcdef").write_bytes(b"half a log")
+
+
+def tear_first_rewrite(server: Server, acknowledged: bytes, how: str) -> None:
+    """The stream's first segment, which a rewrite of its logged commits was writing,
+    torn: the log still holds them."""
+    directory = stream_prefix(server) / "seg"
+    directory.mkdir(exist_ok=True)
+    whole, header_end = segment_at(0, acknowledged)
+    (directory / f"{0:020d}").write_bytes(torn(whole, header_end, how))
+    (directory / ".tmp-0123456789abcdef0123456789abcdef").write_bytes(b"half a segm")
+
+
+@pytest.mark.parametrize("how", TEARS)
+@pytest.mark.parametrize("where", ["log", "rewrite"])
+def test_a_tail_torn_by_a_crash_is_dropped(
+    start_server: StartServer, unique_stream: str, where: str, how: str
 ) -> None:
+    """kill -9 with every acknowledged append in the member's log; then either the next
+    log object (a flush never acknowledged) or the segment a rewrite was writing is
+    found torn. The restart keeps exactly what was acknowledged, and appends go on."""
     server = start_server()
     url = server.stream_url(unique_stream)
     create_stream(url, BYTES_TYPE)
@@ -518,15 +548,10 @@ def test_torn_tail_after_crash_is_dropped(
     tail = response.headers[NEXT_OFFSET]
     server.kill9()
 
-    directory = segment_directory(server)
-    names = sorted(path.name for path in directory.iterdir() if path.name.isdigit())
-    (directory / ".tmp-0123456789abcdef0123456789abcdef").write_bytes(b"half a segm")
-    leftover = torn_segment(parse_position(tail), how)
-    if leftover is not None:
-        next_name = f"{parse_position(tail):0{len(names[-1])}d}"
-        assert next_name not in names
-        (directory / next_name).write_bytes(leftover)
-
+    if where == "log":
+        tear_next_log_object(server, unique_stream, parse_position(tail), how)
+    else:
+        tear_first_rewrite(server, acknowledged, how)
     server.start()
     head = requests.head(url, headers=CLOSE_CONNECTION, timeout=REQUEST_TIMEOUT_SECONDS)
     assert head.status_code == 200, f"HEAD answered {head.status_code} {head.text}"
