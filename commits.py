@@ -71,6 +71,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("picomq.storage")
 
 CONTENTION_LIMIT_SECONDS = 5.0
+MAX_LINGER_SECONDS = 0.05
 # Idempotent producers (see `_snapshot_producers_if_due` and `_forget_producers`).
 MAX_PRODUCERS = 1000
 PRODUCER_IDLE_SECONDS = 7 * 24 * 3600  # as the reference server and Kafka's default
@@ -127,10 +128,9 @@ class Commits:
                 stream.writing = False
 
     def _write_batch(self, stream: Stream) -> None:
-        if self.settings.linger_fraction and not self._logs(stream):
-            # Let the writers just answered send their next append: one batch instead
-            # of two cohorts taking turns (object stores bill per PUT).
-            gevent.sleep(min(self.settings.linger_fraction * stream.write_seconds, 0.05))
+        linger = self._linger(stream)
+        if linger:
+            gevent.sleep(linger)
         with self._writer_turn(stream) as waited:
             # Taken once it is our turn: appends that came while we waited join it.
             batch, stream.pending = _take_batch(stream.pending)
@@ -143,6 +143,20 @@ class Commits:
             except BaseException:  # the appender committing was killed: the others must not hang
                 _fail_unanswered(batch, StorageUnavailable(INTERRUPTED_APPEND))
                 raise
+
+    def _linger(self, stream: Stream) -> float:
+        """How long a batch waits for company before it is taken: a share of the last
+        write's time, so that the writers just answered send their next append into
+        this batch rather than split into two cohorts taking turns (object stores bill
+        per PUT). Through the log, only while that last write is recent: an idle
+        stream's append goes with the log's next flush at once (and its own linger)."""
+        fraction = self.settings.linger_fraction
+        if not fraction:
+            return 0.0
+        since = time.monotonic() - (stream.refreshed_at + stream.write_seconds)
+        if self._logs(stream) and since >= stream.write_seconds:
+            return 0.0
+        return min(fraction * stream.write_seconds, MAX_LINGER_SECONDS)
 
     def _logs(self, stream: Stream) -> bool:
         """Whether the stream commits through the member's log: it is served here alone."""
