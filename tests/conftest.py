@@ -331,12 +331,14 @@ def proxied_s3(start_moto: Callable[[], ManagedProcess]) -> Iterator[ProxiedS3]:
     proxy.stop()
 
 
-def segment_put_records(proxy: FaultProxy, since: int = 0) -> list[Record]:
-    """The proxy's records of segment PUTs (not meta.json or markers), from record `since`."""
+def commit_put_records(proxy: FaultProxy, since: int = 0) -> list[Record]:
+    """The proxy's records of the PUTs that hold appends, from record `since`: log objects
+    (a member's flushes) and segments (a create's first, rewrites), not meta.json or
+    markers."""
     return [
         record
         for record in proxy.log()[since:]
-        if record.method == "PUT" and "/seg/" in record.path
+        if record.method == "PUT" and ("/seg/" in record.path or "/log/" in record.path)
     ]
 
 

@@ -628,6 +628,7 @@ def test_webhook_delivery_is_signed_and_done_reply_acks(server: Server, make_rec
         "the done reply to acknowledge the tail",
     )
 
+
 def first_wake(
     subscribed: Server, written: Server, receiver: Receiver
 ) -> tuple[str, str, Delivery]:
@@ -640,7 +641,6 @@ def first_wake(
     path = f"{prefix}/a"
     create_stream(written, path, {"n": 1})
     return subscription_id, path, receiver.next()
-
 
 
 def test_webhook_callback_acks_and_fences(server: Server, make_receiver) -> None:

@@ -28,10 +28,11 @@ from urllib.parse import urlsplit
 
 import pytest
 import requests
-from conftest import NEEDS_INOTIFY, follow_stream, segment_put_records
+from conftest import NEEDS_INOTIFY, commit_put_records, follow_stream
 
 if TYPE_CHECKING:
     from conftest import ProxiedS3, Server, StartServer
+    from faultproxy import Record
 
 NEXT_OFFSET = "Stream-Next-Offset"
 UP_TO_DATE = "Stream-Up-To-Date"
@@ -261,11 +262,14 @@ def test_concurrent_writers_across_workers_lose_duplicate_and_reorder_nothing(
 def test_workers_take_turns_at_the_commits_of_a_stream(
     proxied_s3: ProxiedS3, start_server: StartServer, tmp_path: Path, unique_stream: str
 ) -> None:
-    """Every worker appends to one stream on S3, and its segment PUTs never overlap.
+    """Appends to one stream on S3 reach every worker, and the PUTs that hold them never
+    overlap in one folder: one member serves the stream (the others forward to it) and
+    flushes its log one object at a time.
 
-    Each commit holds the stream's lock (streamlocks.py). Before, the worker that had
-    just committed wrote again while another's PUT lost at the old tail, and a worker
-    could lose for seconds: 503 after CONTENTION_LIMIT_SECONDS.
+    Before members, each commit held the stream's lock (streamlocks.py, still taken by
+    processes that write a stream they do not serve alone): the worker that had just
+    committed wrote again while another's PUT lost at the old tail, and a worker could
+    lose for seconds, 503 after CONTENTION_LIMIT_SECONDS.
     """
     server, access_log = start_logged_server(
         start_server, tmp_path, storage_url=proxied_s3.url, env=proxied_s3.env
@@ -276,9 +280,18 @@ def test_workers_take_turns_at_the_commits_of_a_stream(
     since = proxied_s3.proxy.count()
     write_records_together(url)
     assert_spread(access_log, "POST", stream_path(server, unique_stream))
-    puts = sorted(segment_put_records(proxied_s3.proxy, since), key=lambda record: record.began)
-    overlapping = [(one, later) for one, later in pairwise(puts) if later.began < one.ended]
-    assert not overlapping, f"{len(overlapping)} of {len(puts)} segment PUTs overlapped another"
+    puts = sorted(commit_put_records(proxied_s3.proxy, since), key=lambda record: record.began)
+    assert puts, "no PUT held the appends"
+    by_folder: dict[str, list[Record]] = {}  # a member's log, or a stream's segments
+    for record in puts:
+        by_folder.setdefault(record.path.rsplit("/", 1)[0], []).append(record)
+    overlapping = [
+        (one, later)
+        for records in by_folder.values()
+        for one, later in pairwise(records)
+        if later.began < one.ended
+    ]
+    assert not overlapping, f"{len(overlapping)} of {len(puts)} PUTs overlapped another"
     private = Path(server.env["TMPDIR"]) / f"picomq-{os.geteuid()}"  # streamlocks.py
     assert stat.S_IMODE(os.stat(private, follow_symlinks=False).st_mode) == 0o700
     assert len(list(private.glob("writers-*.lock"))) == 1
