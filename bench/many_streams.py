@@ -46,7 +46,7 @@ import math
 import os
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -274,14 +274,14 @@ def producer_loads(arguments: argparse.Namespace) -> list[Load]:
     for count in arguments.stream_counts:
         each = "one sequential producer" if count == 1 else "one sequential producer each"
         title = f"S3: {count:,} stream{'s' * (count != 1)}, {each}, {{duration}} s"
-        run = producers(count, arguments.drain)
+        run = in_event_loop(sequential_producers, count=count, drain=arguments.drain)
         loads.append(Load(f"s3-producers-{count}", title, run, PRODUCER_FIGURES, s3=True))
     return loads
 
 
 def lone_loads(arguments: argparse.Namespace) -> list[Load]:
     title = f"S3: a lone append on an idle node, {arguments.lone_appends} of them"
-    run = lone_appends(arguments.lone_appends)
+    run = in_event_loop(time_lone_appends, count=arguments.lone_appends)
     return [Load("s3-lone", title, run, LONE_FIGURES, s3=True)]
 
 
@@ -291,7 +291,7 @@ def waiting_loads(arguments: argparse.Namespace) -> list[Load]:
         f"S3: {count:,} quiet streams, idle {{duration}} s,"
         f" then one long-poll on each for {seconds:g} s"
     )
-    run = waiting_readers(count, seconds)
+    run = in_event_loop(count_waiting_requests, count=count, seconds=seconds)
     return [Load("s3-waiting", title, run, WAITING_FIGURES, s3=True)]
 
 
@@ -301,8 +301,19 @@ def disk_append_loads(arguments: argparse.Namespace) -> list[Load]:
 
 def disk_lone_loads(arguments: argparse.Namespace) -> list[Load]:
     title = f"local disk: a lone append on an idle server, {DISK_LONE_APPENDS} of them"
-    run = disk_lone_appends(DISK_LONE_APPENDS)
+    run = in_event_loop(time_disk_lone_appends, count=DISK_LONE_APPENDS)
     return [Load("disk-lone", title, run, ("p50_ms", "p99_ms"))]
+
+
+def in_event_loop(
+    part: Callable[..., Coroutine[object, object, Result]], **arguments: object
+) -> Callable[[Target, Options], Result]:
+    """A load's run: `part(target, options, **arguments)` in an event loop of its own."""
+
+    def run(target: Target, options: Options) -> Result:
+        return asyncio.run(part(target, options, **arguments))
+
+    return run
 
 
 PARTS: dict[str, Callable[[argparse.Namespace], list[Load]]] = {
@@ -316,13 +327,6 @@ GROUPS = {"s3": ("s3-producers", "s3-lone", "s3-waiting"), "disk": ("disk-append
 
 
 # S3: sequential producers
-
-
-def producers(count: int, drain: float) -> Callable[[Target, Options], Result]:
-    def run(target: Target, options: Options) -> Result:
-        return asyncio.run(sequential_producers(target, options, count, drain))
-
-    return run
 
 
 async def sequential_producers(
@@ -475,14 +479,7 @@ def dollars(counts: Counter[str]) -> float:
 # S3: a lone append on an idle node
 
 
-def lone_appends(count: int) -> Callable[[Target, Options], Result]:
-    def run(target: Target, options: Options) -> Result:
-        return asyncio.run(time_lone_appends(target, count))
-
-    return run
-
-
-async def time_lone_appends(target: Target, count: int) -> Result:
+async def time_lone_appends(target: Target, options: Options, count: int) -> Result:
     """Appends one at a time, LONE_GAP_SECONDS apart, each with the requests it made.
 
     A request counts for an append when moto logged it between the append's start and
@@ -528,13 +525,6 @@ async def time_lone_appends(target: Target, count: int) -> Result:
 
 
 # S3: readers waiting on quiet streams
-
-
-def waiting_readers(count: int, seconds: float) -> Callable[[Target, Options], Result]:
-    def run(target: Target, options: Options) -> Result:
-        return asyncio.run(count_waiting_requests(target, options, count, seconds))
-
-    return run
 
 
 async def count_waiting_requests(
@@ -589,14 +579,7 @@ async def count_waiting_requests(
 # Local disk: a lone append on an idle server
 
 
-def disk_lone_appends(count: int) -> Callable[[Target, Options], Result]:
-    def run(target: Target, options: Options) -> Result:
-        return asyncio.run(time_disk_lone_appends(target, count))
-
-    return run
-
-
-async def time_disk_lone_appends(target: Target, count: int) -> Result:
+async def time_disk_lone_appends(target: Target, options: Options, count: int) -> Result:
     """Appends to one stream one at a time, LIVE_PAUSE_SECONDS apart, as the live loads."""
     path = f"{STREAM_PREFIX}lone"
     await create_streams(target.port, [path])
