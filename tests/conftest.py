@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import processes
@@ -25,6 +26,9 @@ import pytest
 import requests
 from faultproxy import FaultProxy, Record
 from nginx_site import nginx_config, site_for
+
+if TYPE_CHECKING:
+    from storage import StreamStore
 
 REPO_DIR = Path(__file__).resolve().parent.parent
 BIN_DIR = Path(sys.executable).parent
@@ -418,3 +422,14 @@ def unique_stream(request: pytest.FixtureRequest) -> str:
     """A stream path no other test uses: the test's name plus a random suffix."""
     name = "".join(c if c.isalnum() else "-" for c in request.node.name)[:60].strip("-")
     return f"{name}-{uuid.uuid4().hex[:12]}"
+
+
+def read_all(store: StreamStore, path: str, offset: int | None = None) -> bytes:
+    """A stream of a store called directly, from `offset` to its tail, over as many reads
+    as the store needs."""
+    result = store.read(path, offset)
+    data = b"".join(result.chunks)
+    while result.end < result.info.tail:
+        result = store.read(path, result.end)
+        data += b"".join(result.chunks)
+    return data

@@ -5,16 +5,12 @@ from __future__ import annotations
 import time
 
 import gevent
+from conftest import read_all
 
 from storage import StreamStore, open_objects
 from streams import AppendRequest, CreateRequest, Payload, StoreSettings
 
 SETTINGS = StoreSettings(compact_after=4, compact_max_segments=8, index_max_age=0.03)
-
-
-def read_all(store: StreamStore, path: str) -> bytes:
-    result = store.read(path, None, max_bytes=1 << 30)
-    return b"".join(result.chunks)
 
 
 def object_names(store: StreamStore, path: str, folder: str) -> list[str]:

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 
 import fsspec
 import pytest
+from conftest import read_all
 
 from log import Fenced, log_key
 from objectstore import ObjectStore, StorageUnavailable
@@ -45,15 +46,6 @@ def make_member(storage_url: str) -> Iterator[MakeMember]:
 def append(store: StreamStore, path: str, data: bytes, seq: int | None = None) -> None:
     producer = Producer("p", 0, seq) if seq is not None else None
     store.append(path, AppendRequest(TEXT, Payload(data), producer=producer))
-
-
-def read_all(store: StreamStore, path: str) -> bytes:
-    result = store.read(path, None)
-    data = b"".join(result.chunks)
-    while result.end < result.info.tail:
-        result = store.read(path, result.end)
-        data += b"".join(result.chunks)
-    return data
 
 
 def names(objects: ObjectStore, prefix: str) -> list[str]:

@@ -23,7 +23,7 @@ import fsspec
 import gevent
 import orjson
 import pytest
-from conftest import NEEDS_INOTIFY
+from conftest import NEEDS_INOTIFY, read_all
 from gevent.event import Event
 
 import commits
@@ -95,16 +95,6 @@ def make_store(storage_url: str) -> MakeStore:
 
 
 # -- helpers -----------------------------------------------------------------------------
-
-
-def read_all(store: StreamStore, path: str, offset: int | None = None) -> bytes:
-    """Everything from `offset` to the tail, over as many reads as the store needs."""
-    result = store.read(path, offset)
-    data = b"".join(result.chunks)
-    while result.end < result.info.tail:
-        result = store.read(path, result.end)
-        data += b"".join(result.chunks)
-    return data
 
 
 def append_text(store: StreamStore, path: str, data: bytes, **options: object) -> AppendResult:
