@@ -305,6 +305,16 @@ def disk_lone_loads(arguments: argparse.Namespace) -> list[Load]:
     return [Load("disk-lone", title, run, ("p50_ms", "p99_ms"))]
 
 
+async def timed_append(connection: Connection, path: str, number: int) -> float:
+    """Seconds from sending append `number` to its answer (which must be a success)."""
+    sent = time.monotonic()
+    response = await asyncio.wait_for(
+        connection.request("POST", path, JSON_HEADERS, message(number)), ANSWER_TIMEOUT_SECONDS
+    )
+    check(response.status, "POST")
+    return time.monotonic() - sent
+
+
 def in_event_loop(
     part: Callable[..., Coroutine[object, object, Result]], **arguments: object
 ) -> Callable[[Target, Options], Result]:
@@ -500,13 +510,7 @@ async def time_lone_appends(target: Target, options: Options, count: int) -> Res
         await asyncio.sleep(LONE_GAP_SECONDS)
         idle, mark = servers.count_s3_requests(target.moto.log_path, mark)
         between += idle
-        sent = time.monotonic()
-        response = await asyncio.wait_for(
-            connection.request("POST", path, JSON_HEADERS, message(number)),
-            ANSWER_TIMEOUT_SECONDS,
-        )
-        check(response.status, "POST")
-        latencies.append(time.monotonic() - sent)
+        latencies.append(await timed_append(connection, path, number))
         await asyncio.sleep(LOG_SETTLE_SECONDS)
         made, mark = servers.count_s3_requests(target.moto.log_path, mark)
         total += made
@@ -587,13 +591,7 @@ async def time_disk_lone_appends(target: Target, options: Options, count: int) -
     latencies: list[float] = []
     for number in range(count):
         await asyncio.sleep(LIVE_PAUSE_SECONDS)
-        sent = time.monotonic()
-        response = await asyncio.wait_for(
-            connection.request("POST", path, JSON_HEADERS, message(number)),
-            ANSWER_TIMEOUT_SECONDS,
-        )
-        check(response.status, "POST")
-        latencies.append(time.monotonic() - sent)
+        latencies.append(await timed_append(connection, path, number))
     await connection.close()
     result = Result()
     result.figures.update(
