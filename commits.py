@@ -205,11 +205,12 @@ class Commits:
     def _write_segment(self, stream: Stream, plan: Plan) -> None:
         """Store the batch as the segment at the tail (through the member's log when the
         stream commits there); `FileExistsError` if another writer won the tail."""
-        # 128 random bits, as uuid4 has, without its object (a measurable part of a
-        # lone commit: bench/README.md, "The store's figures").
-        token = os.urandom(16).hex()
+        logs = self._logs(stream)
+        # A create-only write needs a token to tell its own landed attempt from another
+        # writer's; a record needs none: its log object has one.
+        token = "" if logs else _new_token()
         previous_snapshot = plan.state.producer_snapshot
-        snapshot = self._snapshot_producers_if_due(stream, plan, token)
+        snapshot = self._snapshot_producers_if_due(stream, plan)
         data, index = encode_segment(
             plan.start,
             b"".join(plan.payload),
@@ -218,7 +219,7 @@ class Commits:
             plan.state,
             token=token,
         )
-        if self._logs(stream):
+        if logs:
             self._log_segment(stream, plan, data, index)
         else:
             self._create_segment(stream, plan, data, index, snapshot)
@@ -259,7 +260,7 @@ class Commits:
             stream.creating = None
         self.rewrites.hold(stream, plan.start, seq, data, index)
 
-    def _snapshot_producers_if_due(self, stream: Stream, plan: Plan, token: str) -> str | None:
+    def _snapshot_producers_if_due(self, stream: Stream, plan: Plan) -> str | None:
         """Write the producer table as a snapshot once the changes since the last one
         grow past PRODUCER_CHANGES_BYTES, so no segment carries more than that (and its
         own batch's entries) however many producers the stream has had.
@@ -275,7 +276,7 @@ class Commits:
         if sum(map(len, changed)) + ENCODED_ENTRY_BYTES * len(changed) <= PRODUCER_CHANGES_BYTES:
             return None
         _forget_producers(state.producers, time.time())
-        key = f"{stream.prefix}/producers/{segment_name(plan.start)}-{token}"
+        key = f"{stream.prefix}/producers/{segment_name(plan.start)}-{_new_token()}"
         self.objects.create(key, encode_producer_table(state.producers))
         state.producer_snapshot, state.producers_changed = key, set()
         return key
@@ -294,8 +295,8 @@ class Commits:
         producer = request.producer
         if state.closed:
             return self._closed_outcome(stream, state, request)
-        if request.payload is not None and media_type(request.content_type or "") != media_type(
-            stream.config.content_type
+        if request.payload is not None and not _same_media_type(
+            request.content_type, stream.config.content_type
         ):
             raise StreamConflict("Content-Type does not match the stream's content type")
         if request.if_match is not None:
@@ -363,8 +364,16 @@ class Plan:
         self.start = self.state.tail
 
 
+def _new_token() -> str:
+    """128 random bits, as uuid4 has, without its object (a measurable part of a lone
+    commit: bench/README.md, "The store's figures")."""
+    return os.urandom(16).hex()
+
+
 def _take_batch(pending: list[Pending]) -> tuple[list[Pending], list[Pending]]:
     """The appends of the next segment (up to MAX_SEGMENT_BYTES, one at least), and the rest."""
+    if len(pending) == 1:  # each commit's lot over many streams: nothing to add up
+        return pending, []
     sizes = (len(p.request.payload.data) if p.request.payload else 0 for p in pending)
     taken = count_within(sizes, MAX_SEGMENT_BYTES)
     return pending[:taken], pending[taken:]
@@ -392,14 +401,15 @@ def _fail_unanswered(batch: list[Pending], error: Exception) -> None:
             pending.result.set_exception(error)
 
 
-def _info(stream: Stream, state: StreamState) -> StreamInfo:
-    """The stream's info at a planned state: every append's answer builds one.
+def _same_media_type(given: str | None, stream_type: str) -> bool:
+    """Whether an append's Content-Type names the stream's media type; most send the very
+    string the stream was created with, and need not be parsed."""
+    return given == stream_type or media_type(given or "") == media_type(stream_type)
 
-    A copy of the cached info's fields with two changed: `dataclasses.replace` walks
-    the fields and runs the frozen `__init__`, several times slower."""
-    info = object.__new__(StreamInfo)
-    info.__dict__.update(stream.info().__dict__, tail=state.tail, closed=state.closed)
-    return info
+
+def _info(stream: Stream, state: StreamState) -> StreamInfo:
+    """The stream's info at a planned state: every append's answer builds one."""
+    return stream.info().at(state.tail, state.closed, stream.earliest)
 
 
 def _add_payload(plan: Plan, payload: Payload) -> None:

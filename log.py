@@ -30,7 +30,7 @@ import logging
 import os
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import gevent
 import orjson
@@ -57,9 +57,11 @@ class Fenced(StorageUnavailable):
     """Another member took this member's log over: it serves none of its streams now."""
 
 
-@dataclass(frozen=True)
-class Record:
-    """One batch of one stream: `data` is the segment it is, starting at `start`."""
+class Record(NamedTuple):
+    """One batch of one stream: `data` is the segment it is, starting at `start`.
+
+    A tuple: over many streams each append is a commit with a record of its own, and a
+    frozen dataclass costs several times a tuple to build."""
 
     path: str
     prefix: str  # the stream's folder, incarnation included: streams/<key>/<incarnation>

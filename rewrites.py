@@ -85,7 +85,7 @@ class Rewrites:
         key = stream.logged_key(start)
         self.pieces.held[key] = data
         self.pieces.indexes.put(key, index, index.nbytes)
-        stream.add_logged(start, seq, len(data))
+        stream.add_logged(start, seq, len(data), key)
         self.holding[id(stream)] = stream
         self.held_bytes += len(data)
         settings = self.settings

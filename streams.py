@@ -191,6 +191,14 @@ class StreamInfo:
     retention_age: int | None = None
     retention_bytes: int | None = None
 
+    def at(self, tail: int, closed: bool, earliest: int) -> StreamInfo:
+        """This info with another tail, as each commit and each append's answer needs:
+        a copy of the fields, three changed (`dataclasses.replace` walks the fields and
+        runs the frozen `__init__`, several times slower)."""
+        info = object.__new__(StreamInfo)
+        info.__dict__.update(self.__dict__, tail=tail, closed=closed, earliest=earliest)
+        return info
+
 
 @dataclass(frozen=True)
 class AppendResult:
@@ -431,6 +439,9 @@ class Stream:
             and info.earliest == self.earliest
         ):
             return info
+        if info is not None:  # the rest comes from the config, the same for the handle's life
+            self.last_info = info.at(state.tail, state.closed, self.earliest)
+            return self.last_info
         config = self.config
         self.last_info = StreamInfo(
             path=config.path,
@@ -482,11 +493,11 @@ class Stream:
         self.erased = True
         self.notify()
 
-    def add_logged(self, start: int, seq: int, size: int) -> None:
-        """A commit stored in log object `seq`: its piece is held in memory."""
+    def add_logged(self, start: int, seq: int, size: int, key: str) -> None:
+        """A commit stored in log object `seq`: its piece is held in memory at `key`."""
         self.logged[start] = (seq, size, time.monotonic())
         self.logged_bytes += size
-        self.keys[start] = self.logged_key(start)
+        self.keys[start] = key
         position = bisect.bisect_left(self.starts, start)
         if position == len(self.starts) or self.starts[position] != start:
             self.starts.insert(position, start)

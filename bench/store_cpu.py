@@ -4,9 +4,17 @@ Through HTTP a change of a few per cent needs 6 alternated reps of bench/ab.py t
 show; the store alone shows what it does to a commit within a couple of µs. Here 64
 greenlets (as many as compare.py's connections) append one 100-byte JSON message at
 a time to `--streams` streams in turn, through `StreamStore.append` on local storage
-as PicoMQ's worker makes it: group commit, `BatchedCreates`, the thread pool. Over
-1,000 streams nearly every append is a commit of its own. It prints appends/s and
-the process's CPU time (the event loop's thread and the pool's) per append.
+as PicoMQ's worker makes it: the process serves every stream alone (as a worker does
+once it claims their partitions), so each commit goes through the member's log (group
+commit, log flush, records held for the rewrite), on the thread pool. Over 1,000
+streams nearly every append is a commit of its own. It prints appends/s and the
+process's CPU time (the event loop's thread and the pool's) per append.
+
+Times on a shared VM swing by a fifth from one minute to the next. `--instructions`
+runs the same appends under valgrind's callgrind (not a dependency: Debian's
+`valgrind`) twice, `--appends` and three times as many, and prints the instructions
+per append between the two: the same to a fraction of a per cent run after run,
+whatever else the machine does, and about 50 times slower to get.
 
 By default the data goes to tmpfs (/dev/shm), where writing and syncing cost next to
 nothing: what is left is the store's own work. `--dir` puts it elsewhere; on ext4
@@ -15,6 +23,7 @@ one core, as the worker is, and alternate runs of the two versions to compare:
 
     taskset -c 0 .venv/bin/python bench/store_cpu.py --streams 1000
     taskset -c 0 .venv/bin/python bench/store_cpu.py --streams 1 --appends 60000
+    .venv/bin/python bench/store_cpu.py --streams 1000 --appends 2000 --instructions
 """
 
 from gevent import monkey
@@ -22,7 +31,9 @@ from gevent import monkey
 monkey.patch_all()  # as gunicorn's gevent worker does before it loads PicoMQ
 
 import argparse  # noqa: E402
+import re  # noqa: E402
 import shutil  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -37,6 +48,9 @@ from storage import StreamStore, open_objects  # noqa: E402
 from streams import AppendRequest, CreateRequest, Payload, StoreSettings  # noqa: E402
 
 MAX_APPENDS = 1_000_000  # bounded: about a minute on one core
+MAX_COUNTED_APPENDS = 20_000  # under callgrind: about 10 minutes
+MEMBER = "store-cpu"
+COLLECTED = re.compile(r"Collected : (\d+)")
 
 
 def parse_arguments() -> argparse.Namespace:
@@ -44,17 +58,43 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--streams", type=int, default=1000, help="streams appended to in turn")
     parser.add_argument("--appends", type=int, default=30000, help="appends in all")
     parser.add_argument("--dir", type=Path, default=Path("/dev/shm"), help="where the data goes")
+    parser.add_argument(
+        "--instructions", action="store_true", help="count instructions per append (valgrind)"
+    )
     arguments = parser.parse_args()
     if not 1 <= arguments.streams <= arguments.appends <= MAX_APPENDS:
         parser.error(f"need 1 <= --streams <= --appends <= {MAX_APPENDS:,}")
+    if arguments.instructions and 3 * arguments.appends > MAX_COUNTED_APPENDS:
+        parser.error(f"--instructions counts at most {MAX_COUNTED_APPENDS:,} appends in all")
     return arguments
+
+
+def count_instructions(arguments: argparse.Namespace) -> None:
+    """Instructions per append: two runs under callgrind, `--appends` and three times as
+    many; the difference leaves out the start and the creates."""
+    counts = []
+    for appends in (arguments.appends, 3 * arguments.appends):
+        command = [
+            "valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null",
+            sys.executable, __file__, "--streams", str(arguments.streams),
+            "--appends", str(appends), "--dir", str(arguments.dir),
+        ]  # fmt: skip
+        run = subprocess.run(command, capture_output=True, text=True, timeout=1200, check=True)
+        counts.append(int(COLLECTED.findall(run.stderr)[-1]))
+    per_append = (counts[1] - counts[0]) / (2 * arguments.appends)
+    print(f"{arguments.streams:,} streams: {per_append:,.0f} instructions per append")
 
 
 def main() -> None:
     arguments = parse_arguments()
+    if arguments.instructions:
+        count_instructions(arguments)
+        return
     root = tempfile.mkdtemp(prefix="store-cpu-", dir=arguments.dir)
     try:
         store = StreamStore(open_objects(root), StoreSettings())
+        store.serves_alone = lambda path: True
+        store.log.begin(MEMBER)
         paths = [f"s{number}" for number in range(arguments.streams)]
         for path in paths:
             store.create(path, CreateRequest(JSON_TYPE))
