@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import io
 import logging
+import time
 from collections.abc import Callable, Iterable, Iterator
 from urllib.parse import quote
 
 import urllib3
+from urllib3.connection import HTTPConnection
 
 from members import Membership, Owner
 from objectstore import StorageUnavailable
@@ -50,6 +52,9 @@ QUICK_LEASES = 2  # an answer that is no live read comes within this many leases
 # Failures before the request left: the owner never saw it.
 NEVER_SENT = (urllib3.exceptions.NewConnectionError, urllib3.exceptions.ConnectTimeoutError)
 CONNECT_SECONDS = 2.0
+# A pooled connection to a peer is not reused after this long idle: well under the
+# `keepalive` of gunicorn.conf.py (5 s), after which the peer ends it (`PeerPool`).
+PEER_IDLE_SECONDS = 2.0
 READ_MARGIN_SECONDS = 30.0  # past the longest quiet spell of a live answer
 POOL_CONNECTIONS = 64
 STREAM_CHUNK_BYTES = 64 * 1024
@@ -199,9 +204,7 @@ class Forwarder:
         pool = self.pools.get(owner.address)
         if pool is None:
             host, _, port = owner.address.rpartition(":")
-            pool = urllib3.HTTPConnectionPool(
-                host, int(port), maxsize=POOL_CONNECTIONS, block=False
-            )
+            pool = PeerPool(host, int(port), maxsize=POOL_CONNECTIONS, block=False)
             self.pools[owner.address] = pool
         return pool.urlopen(
             method, request_target, body=body or None, headers=headers, retries=False,
@@ -233,6 +236,30 @@ class Forwarder:
         resume from their offsets, as after any stop)."""
         for answer in list(self.open):
             answer.shutdown()
+
+
+class PeerPool(urllib3.HTTPConnectionPool):
+    """Kept-alive connections to one peer listener, none reused once idle for
+    PEER_IDLE_SECONDS.
+
+    The peer ends a connection that brings no request head within `keepalive` seconds
+    (worker.py). urllib3 leaves out a connection whose end has arrived, but a request
+    sent as the peer's deadline fires is lost with the connection, unread; this side
+    cannot tell that from an owner that stopped mid-request, and answers 503 (one of
+    16 racing DELETEs through 4 workers did, once in a full test run). A connection
+    retired well before the peer's deadline never meets it."""
+
+    def _put_conn(self, conn: HTTPConnection | None) -> None:
+        if conn is not None:
+            conn.idle_since = time.monotonic()  # type: ignore[attr-defined]
+        super()._put_conn(conn)
+
+    def _get_conn(self, timeout: float | None = None) -> HTTPConnection:
+        conn = super()._get_conn(timeout)
+        idle_since = getattr(conn, "idle_since", None)
+        if idle_since is not None and time.monotonic() - idle_since > PEER_IDLE_SECONDS:
+            conn.close()  # reconnects when next used, as a dropped connection does
+        return conn
 
 
 def target(environ: dict) -> str:
