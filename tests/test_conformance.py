@@ -2,6 +2,10 @@
 on local disk and on S3 (a fresh bucket on moto_server); and against several processes
 that must answer as one: several workers of one node, two nodes behind nginx.
 
+The seven runs go in two lanes at once (LANES), each lane with a moto_server of its
+own: a run on S3 keeps about one core busy (moto, mostly), one on local disk about half
+of one, so on two cores the seven take the time of the longer lane, not of all seven.
+
 Needs node and npm; installs the pinned suite with `npm ci` when node_modules is missing or
 older than package-lock.json. Deselect with `-m "not conformance"`.
 """
@@ -12,19 +16,21 @@ import json
 import os
 import signal
 import subprocess
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import pytest
+from conftest import create_bucket, make_moto, make_nginx, make_server, s3_environment
 from node_tools import npm_ci, require_node_and_npm
-
-if TYPE_CHECKING:
-    from conftest import S3Storage, StartNginx, StartServer
 
 CONFORMANCE_DIR = Path(__file__).resolve().parent / "conformance"
 EXPECTED_PASSED = 338  # every test of suite 0.3.6, the 6 subscription tests included
 LONG_POLL_TIMEOUT = 0.5  # the suite's offset=now long-poll tests must finish within 5 s
 VITEST_TIMEOUT_SECONDS = 600
+STARTUP_SECONDS = 120  # a lane's servers, before each run
 # vitest gives each test 5 s. On moto (a Python server on loopback) the property-based
 # tests' hundreds of sequential requests took 4.2-5.0 s on a slower machine (2 x AMD
 # EPYC, 2026-12-03), and timed out there on code that passed elsewhere: more time on S3.
@@ -96,94 +102,144 @@ RETENTION = {"PICOMQ_RETENTION_AGE": "86400", "PICOMQ_RETENTION_BYTES": str(1 <<
 WEBHOOKS_TO_LOOPBACK = {"PICOMQ_WEBHOOK_ALLOWED_NETWORKS": "127.0.0.1/32"}
 
 
-@pytest.mark.conformance
-@pytest.mark.parametrize("backend", ["local", "s3", "local-with-retention"])
-def test_conformance_suite(
-    backend: str, start_server: StartServer, tmp_path: Path, request: pytest.FixtureRequest
-) -> None:
-    if backend == "s3":  # a fresh bucket on the session's moto_server
-        storage = request.getfixturevalue("s3_storage")
-        server = start_server(
-            long_poll_timeout=LONG_POLL_TIMEOUT,
-            storage_url=storage.url,
-            env={**storage.env, **WEBHOOKS_TO_LOOPBACK},
-        )
-    elif backend == "local-with-retention":
-        server = start_server(
-            long_poll_timeout=LONG_POLL_TIMEOUT, env={**RETENTION, **WEBHOOKS_TO_LOOPBACK}
-        )
-    else:
-        server = start_server(long_poll_timeout=LONG_POLL_TIMEOUT, env=WEBHOOKS_TO_LOOPBACK)
-    test_timeout_ms = S3_TEST_TIMEOUT_MS if backend == "s3" else None
-    assert_suite_passes(server.url, tmp_path, test_timeout_ms)
+@dataclass(frozen=True)
+class Deployment:
+    """What one run of the suite is served by. Several workers or nodes must answer as
+    one: each stream and subscription is served by one member (members.py), and the
+    others forward to it; nginx sends each request to the next node (test_deploy.py
+    shows it does, also on one client connection)."""
+
+    on_s3: bool = False
+    workers: int | None = None
+    nodes: int = 1  # more than one: on one bucket, behind nginx
+    env: Mapping[str, str] = field(default_factory=dict)
+    test_timeout_ms: int | None = None
 
 
-# Several processes that must answer as one: each stream and subscription is served by
-# one member (members.py), and the others forward to it. tests/test_deploy.py shows that
-# nginx alternates.
-
-
-@pytest.mark.conformance
-@pytest.mark.parametrize(
-    "backend, workers",
-    [
-        pytest.param("s3", 2, id="s3-2-workers"),
-        pytest.param("local", 2, id="local-2-workers"),
-        pytest.param("local", 4, id="local-4-workers"),
-    ],
+DEPLOYMENTS = {
+    "local": Deployment(),
+    "local-with-retention": Deployment(env=RETENTION),
+    "s3": Deployment(on_s3=True, test_timeout_ms=S3_TEST_TIMEOUT_MS),
+    "s3-2-workers": Deployment(
+        on_s3=True, workers=2, test_timeout_ms=SEVERAL_ON_S3_TEST_TIMEOUT_MS
+    ),
+    "local-2-workers": Deployment(workers=2),
+    "local-4-workers": Deployment(workers=4),
+    "two-nodes-on-s3": Deployment(
+        on_s3=True, nodes=2, test_timeout_ms=SEVERAL_ON_S3_TEST_TIMEOUT_MS
+    ),
+}
+# About 270 and 290 s on 2 cores, run one after the other (2026-12-06, tests' --durations).
+LANES = (
+    ("two-nodes-on-s3", "s3"),
+    ("s3-2-workers", "local-4-workers", "local-2-workers", "local", "local-with-retention"),
 )
-def test_conformance_suite_on_several_workers(
-    backend: str,
-    workers: int,
-    start_server: StartServer,
-    tmp_path: Path,
-    request: pytest.FixtureRequest,
-) -> None:
-    if backend == "s3":
-        storage = request.getfixturevalue("s3_storage")
-        storage_url, env = storage.url, {**storage.env, **WEBHOOKS_TO_LOOPBACK}
-    else:
-        storage_url, env = None, WEBHOOKS_TO_LOOPBACK
-    server = start_server(
-        long_poll_timeout=LONG_POLL_TIMEOUT, storage_url=storage_url, workers=workers, env=env
-    )
-    test_timeout_ms = SEVERAL_ON_S3_TEST_TIMEOUT_MS if backend == "s3" else None
-    assert_suite_passes(server.url, tmp_path, test_timeout_ms)
 
 
-@pytest.mark.conformance
-def test_conformance_suite_on_two_nodes_taking_turns(
-    start_server: StartServer, start_nginx: StartNginx, s3_storage: S3Storage, tmp_path: Path
-) -> None:
-    """Two nodes on one bucket behind nginx, which sends each request to the next node
-    (test_deploy.py shows it does, also on one client connection)."""
-    nodes = [
-        start_server(
-            long_poll_timeout=LONG_POLL_TIMEOUT,
-            storage_url=s3_storage.url,
-            env={**s3_storage.env, **WEBHOOKS_TO_LOOPBACK},
-        )
-        for _ in range(2)
-    ]
-    nginx = start_nginx(nodes)
-    assert_suite_passes(nginx.url, tmp_path, SEVERAL_ON_S3_TEST_TIMEOUT_MS)
+@dataclass(frozen=True)
+class SuiteRun:
+    returncode: int
+    output: str
+    directory: Path  # vitest's output and report, and the servers' logs
 
 
-def assert_suite_passes(base_url: str, tmp_path: Path, test_timeout_ms: int | None) -> None:
-    """Run the suite against base_url; fail listing the tests that failed unless every one
-    of EXPECTED_PASSED passed. vitest's output and report are left in tmp_path."""
+@pytest.fixture(scope="module")
+def suite_runs(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Future[SuiteRun]]]:
+    """The runs of the selected deployments, started in their lanes; each test waits for
+    its own."""
+    selected = {
+        item.callspec.params["deployment"]
+        for item in request.session.items
+        if item.module is request.module and hasattr(item, "callspec")
+    }
     require_node_and_npm(
         "install Node.js 18 or newer with npm "
         "(Debian: apt-get install nodejs npm) to run the conformance suite"
     )
     npm_ci(CONFORMANCE_DIR)
-    report_path = tmp_path / "vitest-report.json"
-    returncode, output = run_vitest(base_url, report_path, test_timeout_ms)
-    output_path = tmp_path / "vitest-output.txt"
-    output_path.write_text(output)
-    print(output[-OUTPUT_TAIL_CHARS:])  # vitest's summary, shown by pytest on failure
+    runs: dict[str, Future[SuiteRun]] = {name: Future() for name in selected}
+    with ExitStack() as stack, ThreadPoolExecutor(len(LANES)) as lanes:
+        for lane in LANES:
+            names = [name for name in lane if name in selected]
+            if not names:
+                continue
+            endpoint = None
+            if any(DEPLOYMENTS[name].on_s3 for name in names):
+                moto = make_moto(tmp_path_factory.mktemp("moto-conformance"))
+                moto.start()
+                stack.callback(moto.stop)
+                endpoint = f"http://127.0.0.1:{moto.port}"
+            lanes.submit(run_lane, names, endpoint, tmp_path_factory, runs)
+        yield runs
+    # Leaving: the lanes are done (the pool waits for them), then each moto stops.
+
+
+def run_lane(
+    names: list[str],
+    endpoint: str | None,
+    tmp_path_factory: pytest.TempPathFactory,
+    runs: dict[str, Future[SuiteRun]],
+) -> None:
+    for name in names:
+        try:
+            directory = tmp_path_factory.mktemp(f"conformance-{name}")
+            runs[name].set_result(run_suite(DEPLOYMENTS[name], endpoint, directory))
+        except BaseException as error:  # the test reports it
+            runs[name].set_exception(error)
+
+
+def run_suite(deployment: Deployment, endpoint: str | None, directory: Path) -> SuiteRun:
+    """Start the deployment's servers, run the suite against them, stop them."""
+    env = {**WEBHOOKS_TO_LOOPBACK, **deployment.env}
+    storage_url = None
+    if deployment.on_s3:
+        assert endpoint is not None
+        env |= s3_environment(endpoint)
+        storage_url = f"s3://{create_bucket(endpoint)}/picomq"
+    with ExitStack() as stack:
+        nodes = []
+        for number in range(deployment.nodes):
+            node = make_server(
+                directory / f"node-{number}",
+                storage_url=storage_url,
+                long_poll_timeout=LONG_POLL_TIMEOUT,
+                workers=deployment.workers,
+                env=env,
+            )
+            node.start()
+            stack.callback(node.stop)
+            nodes.append(node)
+        url = nodes[0].url
+        if deployment.nodes > 1:
+            (directory / "nginx").mkdir()
+            nginx = make_nginx(directory / "nginx", nodes)
+            nginx.managed.start()
+            stack.callback(nginx.managed.stop)
+            url = nginx.url
+        returncode, output = run_vitest(
+            url, directory / "vitest-report.json", deployment.test_timeout_ms
+        )
+    (directory / "vitest-output.txt").write_text(output)
+    return SuiteRun(returncode, output, directory)
+
+
+@pytest.mark.conformance
+@pytest.mark.parametrize("deployment", DEPLOYMENTS)
+def test_conformance_suite(deployment: str, suite_runs: dict[str, Future[SuiteRun]]) -> None:
+    """Every test of the suite passes against the deployment (DEPLOYMENTS)."""
+    lane_seconds = (VITEST_TIMEOUT_SECONDS + STARTUP_SECONDS) * max(map(len, LANES))
+    run = suite_runs[deployment].result(timeout=lane_seconds)
+    print(run.output[-OUTPUT_TAIL_CHARS:])  # vitest's summary, shown by pytest on failure
+    report_path, output_path = (
+        run.directory / "vitest-report.json",
+        run.directory / "vitest-output.txt",
+    )
     if not report_path.exists():
-        pytest.fail(f"vitest wrote no report (exit {returncode})\n{output[-OUTPUT_TAIL_CHARS:]}")
+        pytest.fail(
+            f"vitest wrote no report (exit {run.returncode})\n{run.output[-OUTPUT_TAIL_CHARS:]}"
+        )
     report = json.loads(report_path.read_text())
 
     tests = [test for suite in report["testResults"] for test in suite["assertionResults"]]
