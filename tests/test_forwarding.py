@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import re
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import urllib3
+from loopback_listener import LoopbackListener
 
 import forwarding
 from forwarding import PeerPool
@@ -22,28 +22,16 @@ POOL_IDLE_SECONDS = 0.3
 ANSWER = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
 
 
-class IdleClosingPeer:
+class IdleClosingPeer(LoopbackListener):
     """A peer listener that, like worker.py's, ends a connection idle for longer than its
     deadline; it notices only when the next request arrives, the moment a real peer's
     timer and a request can meet, and closes without reading or answering it."""
 
     def __init__(self) -> None:
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.connections = 0
         self.answered = 0
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                connection, _ = self.listener.accept()
-            except OSError:
-                return
-            self.connections += 1
-            threading.Thread(target=self._serve, args=(connection,), daemon=True).start()
-
-    def _serve(self, connection: socket.socket) -> None:
+    def serve(self, connection: socket.socket) -> None:
         idle_since = time.monotonic()
         with connection:
             while connection.recv(65536):  # a whole small request per read, on loopback
@@ -52,9 +40,6 @@ class IdleClosingPeer:
                 connection.sendall(ANSWER)
                 self.answered += 1
                 idle_since = time.monotonic()
-
-    def close(self) -> None:
-        self.listener.close()
 
 
 @pytest.fixture

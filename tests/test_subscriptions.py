@@ -32,6 +32,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
     Ed25519PrivateKey,
     Ed25519PublicKey,
 )
+from loopback_listener import LoopbackListener
 from processes import free_port
 
 from auth import matches
@@ -503,26 +504,15 @@ def test_redirects_are_not_followed(server: Server, make_receiver) -> None:
     assert elsewhere.deliveries.empty()
 
 
-class TricklingReceiver:
+class TricklingReceiver(LoopbackListener):
     """Takes each POST, then answers one byte a second of a reply it says is 100 long."""
 
     def __init__(self) -> None:
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}/webhook"
-        self.attempts = 0
         self.stopped = threading.Event()
-        threading.Thread(target=self._serve, daemon=True).start()
+        super().__init__()
+        self.url = f"http://127.0.0.1:{self.port}/webhook"
 
-    def _serve(self) -> None:
-        while not self.stopped.is_set():
-            try:
-                connection, _ = self.listener.accept()
-            except OSError:
-                return
-            self.attempts += 1
-            threading.Thread(target=self._trickle, args=(connection,), daemon=True).start()
-
-    def _trickle(self, connection: socket.socket) -> None:
+    def serve(self, connection: socket.socket) -> None:
         with connection:
             connection.recv(65536)
             connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n")
@@ -536,7 +526,7 @@ class TricklingReceiver:
 
     def close(self) -> None:
         self.stopped.set()
-        self.listener.close()
+        super().close()
 
 
 def test_a_receiver_that_trickles_its_reply_fails_the_attempt_by_the_deadline(
@@ -551,7 +541,7 @@ def test_a_receiver_that_trickles_its_reply_fails_the_attempt_by_the_deadline(
                                    webhook={"url": receiver.url})  # fmt: skip
         assert created.status_code == 201
         create_stream(server, f"{prefix}/a", {"n": 1})
-        wait_until(lambda: receiver.attempts >= 2, "a second attempt after the first timed out")
+        wait_until(lambda: receiver.connections >= 2, "a second attempt after the first timed out")
     finally:
         receiver.close()
 
