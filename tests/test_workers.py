@@ -68,6 +68,7 @@ MIXED_CLIENTS = 16
 MIXED_STREAMS = 4
 MIXED_SECONDS = 10.0
 FORK_PAIRS = 3
+FORK_RACE_ROUNDS = 3
 RECHECK_SECONDS = 1.0  # on S3 a worker trusts what it knows of a stream this long
 REQUEST_TIMEOUT_SECONDS = 15.0
 MAX_READS = 1000
@@ -930,11 +931,17 @@ def test_forks_racing_deletes_of_their_sources_on_every_worker_are_never_orphane
         {"source": f"{unique_stream}-{number}", "fork": f"{unique_stream}-{number}-fork"}
         for number in range(FORK_PAIRS)
     ]
-    answers = race_mixed_requests(server, pairs, FORK_REQUESTS)
+    # The race must have met the cases it is about; on a loaded machine one round of it
+    # may miss one (a source read while soft-deleted, 410), so a few rounds are allowed.
+    raced = ("fork create 201", "fork create 409", "source delete 204", "source read 410")
+    answers = Counter[str]()
+    for _ in range(FORK_RACE_ROUNDS):
+        answers += race_mixed_requests(server, pairs, FORK_REQUESTS)
+        if all(answers[case] for case in raced):
+            break
     unexpected = {answer for answer in answers if answer not in ANSWERS_AROUND_FORKS}
     assert not unexpected, f"unexpected answers among {answers}"
-    assert answers["fork create 201"] and answers["fork create 409"], answers
-    assert answers["source delete 204"] and answers["source read 410"], answers
+    assert all(answers[case] for case in raced), answers
 
     server.restart()
 
