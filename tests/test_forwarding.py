@@ -6,16 +6,15 @@ import re
 import socket
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import urllib3
+from conftest import REPO_DIR
 from loopback_listener import LoopbackListener
 
 import forwarding
 from forwarding import PeerPool
 
-REPO_DIR = Path(__file__).resolve().parent.parent
 # The fake peer's idle deadline, and how long the pool may keep a connection idle here.
 PEER_DEADLINE_SECONDS = 0.6
 POOL_IDLE_SECONDS = 0.3
