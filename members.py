@@ -131,6 +131,8 @@ class Membership:
         self._replays: dict[str, AsyncResult] = {}
         self.on_start: list[Callable[[], None]] = []  # spawned once the member starts
         self._claims: dict[int, Owner] = {}  # the latest claim read of each partition
+        # Others' heartbeats seen fresh: member -> when (monotonic) its lease runs out.
+        self._alive_until: dict[str, float] = {}
         self._beating = False
         self._resolving = [Semaphore() for _ in range(PARTITIONS)]
         self._renewing = Semaphore()  # one beat for all who find the lease lapsed
@@ -224,9 +226,10 @@ class Membership:
         self.owners.pop(partition_of(path), None)
 
     def owner_is_dead(self, owner: Owner) -> bool:
-        """After a forward to `owner` failed: whether its heartbeat has stopped."""
+        """After a forward to `owner` failed: whether its heartbeat has stopped (storage is
+        asked again: an owner that stopped cleanly took its heartbeat with it)."""
         try:
-            return self._is_dead(owner)
+            return self._is_dead(owner, ask=True)
         except StorageUnavailable:
             return False
 
@@ -316,19 +319,35 @@ class Membership:
         except StorageUnavailable as error:
             log.info("could not delete %s: %s", keys, error)
 
-    def _is_dead(self, owner: Owner) -> bool:
+    def _is_dead(self, owner: Owner, *, ask: bool = False) -> bool:
         """Whether `owner`'s heartbeat is older than the lease, on the storage's clock, or
-        its process, on this machine, is gone, or it is an id this process gave up."""
-        if owner.member in self.retired:
+        its process, on this machine, is gone, or it is an id this process gave up.
+
+        A heartbeat seen fresh keeps its owner alive until its lease runs out: nobody
+        may take its partitions before then, so storage is not asked again meanwhile
+        (every request forwarded to it would cost two HEADs), unless `ask`."""
+        if owner.member in self.retired or self._gone_here(owner):
             return True
-        if self._gone_here(owner):
-            return True
+        if not ask and time.monotonic() < self._alive_until.get(owner.member, float("-inf")):
+            return False
+        self._alive_until.pop(owner.member, None)
         modified = self.objects.modified(f"{MEMBERS}/{owner.member}")
         if modified is None:
             return True
         ours = self.objects.modified(f"{MEMBERS}/{self.member}") or time.time()
         now = ours + (time.monotonic() - self.heartbeat_sent)  # the storage's clock, now
-        return now - modified > self.lease_seconds
+        left = self.lease_seconds - (now - modified)
+        if left < 0:
+            return True
+        self._remember_alive(owner.member, time.monotonic() + left)
+        return False
+
+    def _remember_alive(self, member: str, until: float) -> None:
+        """Note `member` alive until `until`; lapsed notes go (members come and go)."""
+        if len(self._alive_until) >= PARTITIONS:
+            now = time.monotonic()
+            self._alive_until = {m: t for m, t in self._alive_until.items() if t > now}
+        self._alive_until[member] = until
 
     @staticmethod
     def _gone_here(owner: Owner) -> bool:
