@@ -55,6 +55,7 @@ from streams import (
     ProducerFenced,
     ProducerGap,
     StoreSettings,
+    Stream,
     StreamClosed,
     StreamConflict,
     StreamGone,
@@ -554,15 +555,11 @@ def test_a_conditional_append_is_checked_against_the_tail_its_batch_planned(
     first = gevent.spawn(append_text, store, "log", b"first;")
     assert landing.wait(WAIT_TIMEOUT_SECONDS)
     named = len(b"first;")
-    second, third = (
-        gevent.spawn(append_text, store, "log", data, if_match=named)
-        for data in (b"second;", b"third;")
-    )
-    fourth = gevent.spawn(append_text, store, "log", b"fourth;")
-    deadline = time.monotonic() + WAIT_TIMEOUT_SECONDS
-    while len(handle.pending) < 3:
-        assert time.monotonic() < deadline, "the conditional appends never queued"
-        gevent.sleep(0.01)
+    # One at a time, each queued before the next is sent: on S3 opening the stream may
+    # ask storage, and appends sent together could queue in any order.
+    second = queued(handle, gevent.spawn(append_text, store, "log", b"second;", if_match=named))
+    third = queued(handle, gevent.spawn(append_text, store, "log", b"third;", if_match=named))
+    fourth = queued(handle, gevent.spawn(append_text, store, "log", b"fourth;"))
     release.set()
     assert first.get(timeout=WAIT_TIMEOUT_SECONDS).info.tail == named
     assert second.get(timeout=WAIT_TIMEOUT_SECONDS).info.tail == len(b"first;second;")
@@ -573,6 +570,16 @@ def test_a_conditional_append_is_checked_against_the_tail_its_batch_planned(
     assert (failed.value.tail, failed.value.closed) == (len(stored), False)
     assert len(segments) == 2, segments  # the first append's, then the batch's
     assert read_all(store, "log") == stored
+
+
+def queued(handle: Stream, appending: gevent.Greenlet) -> gevent.Greenlet:
+    """`appending`, once its append waits in the stream's queue."""
+    waiting = len(handle.pending) + 1
+    deadline = time.monotonic() + WAIT_TIMEOUT_SECONDS
+    while len(handle.pending) < waiting:
+        assert time.monotonic() < deadline, "the append never queued"
+        gevent.sleep(0.01)
+    return appending
 
 
 def test_conditional_appends_rank_after_closure_and_type_before_producers_and_seq(
