@@ -2,10 +2,9 @@
 on local disk and on S3 (a fresh bucket on moto_server); and against several processes
 that must answer as one: several workers of one node, two nodes behind nginx.
 
-The seven runs go in two lanes at once (LANES): those on S3, with a moto_server of
-their own, beside those on local disk. A run on S3 keeps about one core busy (moto,
-mostly), one on local disk about half of one, so on two cores the local runs take no
-time of their own.
+The seven runs go in two lanes at once (LANES), each lane with a moto_server of its
+own: the runs through several processes on S3 in one, the others in the other. A run
+on S3 keeps about one core busy (moto, mostly), one on local disk about half of one.
 
 Needs node and npm; installs the pinned suite with `npm ci` when node_modules is missing or
 older than package-lock.json. Deselect with `-m "not conformance"`.
@@ -130,14 +129,14 @@ DEPLOYMENTS = {
         on_s3=True, nodes=2, test_timeout_ms=SEVERAL_ON_S3_TEST_TIMEOUT_MS
     ),
 }
-# Runs on S3 one after the other, beside those on local disk: two runs through several
-# processes on S3 at once starved each other's heartbeats on 2 cores, and their members
-# took partitions from each other mid-test (appends answered 503, as they should be:
-# the suite does not retry). The one-worker run on S3 goes first, while the local ones
-# run beside it; it has no other member to lose a partition to.
+# The runs through several processes on S3 one after the other: two at once starved
+# each other's heartbeats on 2 cores, and their members took partitions from each
+# other mid-test (appends answered 503, as they should be: the suite does not retry).
+# The one-worker run on S3, which has no other member to lose a partition to, goes
+# beside them after the local ones, so that the two lanes take about as long.
 LANES = (
-    ("s3", "two-nodes-on-s3", "s3-2-workers"),
-    ("local-4-workers", "local-2-workers", "local", "local-with-retention"),
+    ("two-nodes-on-s3", "s3-2-workers"),
+    ("local-4-workers", "local-2-workers", "local", "local-with-retention", "s3"),
 )
 
 
