@@ -115,6 +115,8 @@ class Membership:
         self.owned: dict[int, int] = {}  # partition -> our epoch
         self.owners: dict[int, Owner] = {}  # others' partitions, as last read
         self.heartbeat_sent = float("-inf")  # monotonic, when the last heartbeat went
+        self.heartbeat_answered: float | None = None  # and when storage said it landed
+        self._beats_in_flight = 0
         self.active = float("-inf")  # monotonic, when we were last asked to serve
         # A partition changed hands (partition, ours now): what was held of its streams
         # may be stale.
@@ -334,9 +336,7 @@ class Membership:
         modified = self.objects.modified(f"{MEMBERS}/{owner.member}")
         if modified is None:
             return True
-        ours = self.objects.modified(f"{MEMBERS}/{self.member}") or time.time()
-        now = ours + (time.monotonic() - self.heartbeat_sent)  # the storage's clock, now
-        left = self.lease_seconds - (now - modified)
+        left = self.lease_seconds - (self._storage_now() - modified)
         if left < 0:
             return True
         self._remember_alive(owner.member, time.monotonic() + left)
@@ -348,6 +348,18 @@ class Membership:
             now = time.monotonic()
             self._alive_until = {m: t for m, t in self._alive_until.items() if t > now}
         self._alive_until[member] = until
+
+    def _storage_now(self) -> float:
+        """The storage's clock now, or a little earlier, never later: our heartbeat's
+        modified time, plus the time since storage answered that it landed. (Counted
+        from when it was sent, a heartbeat slow to reach storage made every other
+        member look older than it is: taken for dead while its lease held.)"""
+        ours = self.objects.modified(f"{MEMBERS}/{self.member}")
+        if ours is None:
+            return time.time()
+        if self._beats_in_flight or self.heartbeat_answered is None:
+            return ours  # `ours` may be the beat in flight, whose answer is still to come
+        return ours + (time.monotonic() - self.heartbeat_answered)
 
     @staticmethod
     def _gone_here(owner: Owner) -> bool:
@@ -375,7 +387,12 @@ class Membership:
         hold again for partitions another member took meanwhile."""
         sent = time.monotonic()
         lapsed = not self._lease_holds()
-        self.objects.touch(f"{MEMBERS}/{self.member}")
+        self._beats_in_flight += 1
+        try:
+            self.objects.touch(f"{MEMBERS}/{self.member}")
+            self.heartbeat_answered = time.monotonic()
+        finally:
+            self._beats_in_flight -= 1
         if lapsed and self.owned:  # the claims, and our log's fence if one was taken
             self._check_claims()
         self.heartbeat_sent = sent

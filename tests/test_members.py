@@ -1,0 +1,73 @@
+"""Members judging each other by their heartbeats, in process on local disk."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gevent
+import pytest
+
+from members import Membership, Owner
+from storage import open_objects
+
+LEASE_SECONDS = 3.0
+SLOW_BEAT_SECONDS = 2.0  # how late our heartbeat reaches storage: within the lease
+
+
+def member(root: Path, address: str) -> Membership:
+    membership = Membership(open_objects(str(root)), LEASE_SECONDS)
+    membership.address = address  # started, without the greenlets `start` spawns
+    return membership
+
+
+def owner(membership: Membership) -> Owner:
+    return Owner(membership.member, membership.address or "", epoch=1, host="elsewhere")
+
+
+@pytest.mark.parametrize("slow", [False, True])
+def test_a_member_alive_by_its_lease_is_not_taken_for_dead(tmp_path: Path, slow: bool) -> None:
+    """A heartbeat of ours that reached storage late must not make the other's look
+    older than it is: the other beat 2.5 s ago, its lease is 3 s, so it is alive, and
+    would still serve what we would take from it."""
+    other, we = member(tmp_path, "127.0.0.1:1"), member(tmp_path, "127.0.0.1:2")
+    other._beat()
+    objects, touch = we.objects, we.objects.touch
+
+    def late_touch(key: str) -> None:
+        if slow:
+            gevent.sleep(SLOW_BEAT_SECONDS)  # sent at once, landed this much later
+        touch(key)
+
+    objects.touch = late_touch  # type: ignore[method-assign]
+    we._beat()
+    gevent.sleep(2.5 - (SLOW_BEAT_SECONDS if slow else 0.0))
+    assert not we._is_dead(owner(other), ask=True)
+    gevent.sleep(LEASE_SECONDS - 2.5 + 0.5)
+    assert we._is_dead(owner(other), ask=True)
+
+
+def test_an_owner_seen_alive_is_not_asked_after_again_until_its_lease_ends(
+    tmp_path: Path,
+) -> None:
+    """Every request forwarded to an owner asks whether it is dead: storage is asked
+    once per lease, and again at once after a forward failed (`ask`)."""
+    other, we = member(tmp_path, "127.0.0.1:1"), member(tmp_path, "127.0.0.1:2")
+    other._beat()
+    we._beat()
+    asked = []
+    modified = we.objects.modified
+
+    def counted(key: str) -> float | None:
+        asked.append(key)
+        return modified(key)
+
+    we.objects.modified = counted  # type: ignore[method-assign]
+    for _ in range(100):
+        assert not we._is_dead(owner(other))
+    assert len(asked) == 2  # its heartbeat and ours, once
+    assert not we._is_dead(owner(other), ask=True)
+    assert len(asked) == 4
+    other.objects.delete_many([f"cluster/members/{other.member}"])  # it stopped cleanly
+    assert not we._is_dead(owner(other))  # as storage said a moment ago
+    assert we._is_dead(owner(other), ask=True)
+    assert we._is_dead(owner(other))  # no longer remembered as alive
