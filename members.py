@@ -224,8 +224,11 @@ class Membership:
         return self.started and partition_of(path) in self.owned and self._lease_holds()
 
     def forget_owner(self, path: str) -> None:
-        """The owner we forwarded to did not answer as one: read the claims again."""
-        self.owners.pop(partition_of(path), None)
+        """The owner we forwarded to did not answer as one: read the claims again, and
+        whether it lives (it may have retired: `retire`)."""
+        owner = self.owners.pop(partition_of(path), None)
+        if owner is not None:
+            self._alive_until.pop(owner.member, None)
 
     def owner_is_dead(self, owner: Owner) -> bool:
         """After a forward to `owner` failed: whether its heartbeat has stopped (storage is

@@ -7,11 +7,12 @@ from pathlib import Path
 import gevent
 import pytest
 
-from members import Membership, Owner
+from members import Membership, Owner, partition_of
 from storage import open_objects
 
 LEASE_SECONDS = 3.0
 SLOW_BEAT_SECONDS = 2.0  # how late our heartbeat reaches storage: within the lease
+STREAM = "a/stream"
 
 
 def member(root: Path, address: str) -> Membership:
@@ -50,7 +51,8 @@ def test_an_owner_seen_alive_is_not_asked_after_again_until_its_lease_ends(
     tmp_path: Path,
 ) -> None:
     """Every request forwarded to an owner asks whether it is dead: storage is asked
-    once per lease, and again at once after a forward failed (`ask`)."""
+    once per lease, and again at once after a forward failed (`ask`) or the owner
+    answered that it does not serve the stream (`forget_owner`: it may have retired)."""
     other, we = member(tmp_path, "127.0.0.1:1"), member(tmp_path, "127.0.0.1:2")
     other._beat()
     we._beat()
@@ -67,7 +69,15 @@ def test_an_owner_seen_alive_is_not_asked_after_again_until_its_lease_ends(
     assert len(asked) == 2  # its heartbeat and ours, once
     assert not we._is_dead(owner(other), ask=True)
     assert len(asked) == 4
-    other.objects.delete_many([f"cluster/members/{other.member}"])  # it stopped cleanly
+    other.objects.delete_many([f"cluster/members/{other.member}"])  # it stopped or retired
     assert not we._is_dead(owner(other))  # as storage said a moment ago
     assert we._is_dead(owner(other), ask=True)
     assert we._is_dead(owner(other))  # no longer remembered as alive
+
+    third = member(tmp_path, "127.0.0.1:3")
+    third._beat()
+    assert not we._is_dead(owner(third))
+    we.owners[partition_of(STREAM)] = owner(third)
+    third.objects.delete_many([f"cluster/members/{third.member}"])
+    we.forget_owner(STREAM)  # it answered 421 to a forward
+    assert we._is_dead(owner(third))
