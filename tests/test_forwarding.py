@@ -36,8 +36,8 @@ class IdleClosingPeer(LoopbackListener):
             while connection.recv(65536):  # a whole small request per read, on loopback
                 if time.monotonic() - idle_since > PEER_DEADLINE_SECONDS:
                     return  # closed with the request unanswered
+                self.answered += 1  # before the answer: the test reads it once answered
                 connection.sendall(ANSWER)
-                self.answered += 1
                 idle_since = time.monotonic()
 
 
