@@ -16,8 +16,9 @@ Objects under the storage root (the heartbeat is the only one ever rewritten):
 The highest epoch of a partition names its owner. A member claims a partition nobody
 owns, or one whose owner's heartbeat is older than the lease, by creating the next
 epoch: of two claimants, one wins. Ages are compared on the storage's clock: the
-modified time of the other's heartbeat against that of the claimant's own; on one
-machine, a member whose process is gone is dead at once.
+modified time of the other's heartbeat against that of the claimant's own (plus the
+time since storage answered it); on one machine, a member whose process is gone is
+dead at once. A heartbeat seen fresh is trusted until the lease it grants runs out.
 
 An owner serves only while its lease holds by its own monotonic clock, counted from
 when its last heartbeat was sent: a member paused past its lease (SIGSTOP, a stalled
