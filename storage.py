@@ -338,6 +338,9 @@ class StreamStore:
     def _index(self, stream: Stream) -> None:
         """List the stream's pieces; then retention looks at what it may drop."""
         self.pieces.index(stream)
+        self._schedule_trim(stream)
+
+    def _schedule_trim(self, stream: Stream) -> None:
         retention.schedule_trim(
             self.pieces, self.lifecycle.publish_trim, self.rewrites.rewrite, stream
         )
@@ -406,7 +409,30 @@ class StreamStore:
             if self._held_by_another_path(stream.key, path):
                 raise StreamConflict(f"the storage name of {path} is another stream's") from None
             return self.create(path, request)  # another request deleted it already
+        if source is None:
+            self._adopt_created(path, stream)
         return True, self._announced_info(path, stream)
+
+    def _adopt_created(self, path: str, stream: Stream) -> None:
+        """Keep the handle a create built, when this process serves the stream alone and
+        holds no other handle of it: what the create wrote is the whole stream, and
+        reading it back cost eight more requests on S3 (five listings, the segment,
+        meta.json, the gone marker). Its meta.json's identity is read: a request that
+        looked the stream up meanwhile compares it (`_current_handle`), and a handle
+        without it would be built again beside this one."""
+        if not self.serves_alone(path):
+            return
+        identity = self.objects.identity(stream.meta_key)
+        if identity is None or self._streams.get(path) is not None:
+            return
+        if any(building == path for building, _ in self._building):
+            return
+        stream.identity = identity
+        stream.alone = True
+        stream.last_access = stream.config.created_at
+        stream.checked_at = stream.indexed_at = stream.refreshed_at = time.monotonic()
+        self._schedule_trim(stream)
+        self._remember(path, stream)
 
     def _held_by_another_path(self, key: str, path: str) -> bool:
         """Whether folder `key` holds a meta.json that is not a stream of `path`: an
@@ -554,9 +580,7 @@ class StreamStore:
             observe(appends)
         self._count_handle(stream)
         compaction.maybe_compact(self.pieces, stream)
-        retention.schedule_trim(
-            self.pieces, self.lifecycle.publish_trim, self.rewrites.rewrite, stream
-        )
+        self._schedule_trim(stream)
 
     def _announce(self, info: StreamInfo) -> None:
         """Tell listeners (subscriptions) that a stream was created or grew in this process."""

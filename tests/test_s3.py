@@ -771,6 +771,36 @@ def test_group_commit_batches_concurrent_appends(
         assert sent / written > PRODUCERS / 2, "the producers' cohorts were not merged"
 
 
+def test_a_create_does_not_read_back_what_it_wrote(
+    proxied_s3: ProxiedS3, start_server: StartServer, unique_stream: str
+) -> None:
+    """The process that creates a stream, and serves it alone, knows all of it: the
+    create costs its writes and the look for a stream already there, and the stream
+    serves its first reads and appends from what the create built."""
+    node = start_server(storage_url=proxied_s3.url, env=proxied_s3.env, workers=1)
+    first = f"{unique_stream}/first"
+    create_stream(node, first)  # its partition is claimed, the directory read
+    path = next(
+        candidate
+        for candidate in (f"{unique_stream}/{number}" for number in range(10_000))
+        if partition_of(candidate) == partition_of(first)
+    )
+    since = proxied_s3.proxy.count()
+    create_stream(node, path, body=b'{"n":0}')
+    kinds = Counter(describe(record) for record in proxied_s3.proxy.log()[since:])
+    read_back = {"GET meta.json", "GET seg", "HEAD gone", "LIST seg", "LIST pack", "LIST trim"}
+    assert not read_back & set(kinds), kinds
+    # meta.json looked for, the segment and meta.json written, meta.json's identity read;
+    # a heartbeat may fall in too
+    assert kinds.total() <= 5, kinds
+    assert post_json(node.stream_url(path), {"n": 1}).status_code == 204
+    assert orjson.loads(read_stream(node, path)) == [{"n": 0}, {"n": 1}]
+    assert orjson.loads(read_stream(second_node(proxied_s3, start_server), path)) == [
+        {"n": 0},
+        {"n": 1},
+    ]
+
+
 def test_concurrent_first_requests_share_one_load_of_the_stream(
     proxied_s3: ProxiedS3, start_server: StartServer, unique_stream: str
 ) -> None:
