@@ -431,7 +431,6 @@ class StreamStore:
         stream.alone = True
         stream.last_access = stream.config.created_at
         stream.checked_at = stream.indexed_at = stream.refreshed_at = time.monotonic()
-        self._schedule_trim(stream)
         self._remember(path, stream)
 
     def _held_by_another_path(self, key: str, path: str) -> bool:
