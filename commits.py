@@ -37,7 +37,6 @@ from rewrites import Rewrites
 from segments import (
     MAX_SEGMENT_BYTES,
     ProducerEntry,
-    SegmentIndex,
     StreamState,
     count_within,
     encode_producer_table,
@@ -78,6 +77,7 @@ PRODUCER_IDLE_SECONDS = 7 * 24 * 3600  # as the reference server and Kafka's def
 PRODUCER_CHANGES_BYTES = 16 * 1024
 ENCODED_ENTRY_BYTES = 40  # an entry's quotes, brackets and numbers, besides its id
 INTERRUPTED_APPEND = "the append was interrupted; it may have been written"
+NO_PRODUCERS: dict[str, ProducerEntry] = {}  # a record's, when none changed: never changed
 
 
 class Commits:
@@ -205,33 +205,29 @@ class Commits:
     def _write_segment(self, stream: Stream, plan: Plan) -> None:
         """Store the batch as the segment at the tail (through the member's log when the
         stream commits there); `FileExistsError` if another writer won the tail."""
-        logs = self._logs(stream)
-        # A create-only write needs a token to tell its own landed attempt from another
-        # writer's; a record needs none: its log object has one.
-        token = "" if logs else _new_token()
         previous_snapshot = plan.state.producer_snapshot
         snapshot = self._snapshot_producers_if_due(stream, plan)
+        if self._logs(stream):
+            self._log_record(stream, plan)
+        else:
+            self._create_segment(stream, plan, snapshot)
+        if snapshot is not None and previous_snapshot is not None:
+            self.pieces.delete_later([previous_snapshot])
+        if stream.state.tail == plan.start:  # else a refresh read this segment and went further
+            stream.state = plan.state
+
+    def _create_segment(self, stream: Stream, plan: Plan, snapshot: str | None) -> None:
+        """Create the segment at the tail: the fence between processes that write it."""
+        # A create-only write needs a token to tell its own landed attempt from another
+        # writer's (a record needs none: its log object has one).
         data, index = encode_segment(
             plan.start,
             b"".join(plan.payload),
             plan.append_ends,
             plan.message_ends,
             plan.state,
-            token=token,
+            token=_new_token(),
         )
-        if logs:
-            self._log_segment(stream, plan, data, index)
-        else:
-            self._create_segment(stream, plan, data, index, snapshot)
-        if snapshot is not None and previous_snapshot is not None:
-            self.pieces.delete_later([previous_snapshot])
-        if stream.state.tail == plan.start:  # else a refresh read this segment and went further
-            stream.state = plan.state
-
-    def _create_segment(
-        self, stream: Stream, plan: Plan, data: bytes, index: SegmentIndex, snapshot: str | None
-    ) -> None:
-        """Create the segment at the tail: the fence between processes that write it."""
         key = stream.segment_key(plan.start)
         stream.creating = plan.start
         try:
@@ -248,17 +244,23 @@ class Commits:
         self.pieces.indexes.put(key, index, index.nbytes)  # live readers want it next
         stream.add_start(plan.start)
 
-    def _log_segment(self, stream: Stream, plan: Plan, data: bytes, index: SegmentIndex) -> None:
+    def _log_record(self, stream: Stream, plan: Plan) -> None:
         """Commit through the member's log: durable once the log object holding the
         record is stored (log.py); held in memory until rewritten (rewrites.py)."""
         stream.raise_if_retired()  # moved while a producer snapshot was written
+        state = plan.state
+        changed = state.changed_producers() if state.producers_changed else NO_PRODUCERS
+        record = Record(
+            stream.config.path, stream.prefix, plan.start, state.tail, b"".join(plan.payload),
+            plan.append_ends, plan.message_ends, state.closed, state.closer, state.stream_seq,
+            state.producer_snapshot, changed, time.time(),
+        )  # fmt: skip
         stream.creating = plan.start
         try:
-            record = Record(stream.config.path, stream.prefix, plan.start, data)
             seq = self.log.write(record)
         finally:
             stream.creating = None
-        self.rewrites.hold(stream, plan.start, seq, data, index)
+        self.rewrites.hold(stream, record, seq)
 
     def _snapshot_producers_if_due(self, stream: Stream, plan: Plan) -> str | None:
         """Write the producer table as a snapshot once the changes since the last one

@@ -1,11 +1,20 @@
 """The member's log: the commits of every stream a process serves, one object per flush.
 
 A member (members.py) commits the batches of all its streams together: each batch
-becomes a *record*, the segment it would have been written as (segments.py), and
-the records that come while one flush is stored form the next. An append is durable,
-and answered, once the log object holding its record exists:
+becomes a *record* (its data, its ends, the stream's state after it), and the records
+that come while one flush is stored form the next. An append is durable, and
+answered, once the log object holding its record exists:
 
     log/<member>/<seq>          one flush: its records, in order (create-only)
+
+    b"PMQLOG2\n" | header length (u32) | CRC-32 of header and body (u32) | header JSON
+    | body: each record's append ends, message ends (little-endian u32s) and payload
+
+The header lists each record's stream, folder, start, end, ends counts and state
+(closed, closer, Stream-Seq, producer snapshot, the producer entries changed since
+it, when written): what a segment's header holds, so a record never depends on
+another. Objects of the release before (`MAGIC_BEFORE`, each record a whole segment)
+are still read.
 
 Objects are numbered in order, one flush in flight at a time, and a member never
 writes `seq + 1` before it knows `seq` is stored. That order is the fence: a member
@@ -29,6 +38,8 @@ from __future__ import annotations
 import logging
 import os
 import struct
+import zlib
+from array import array
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -36,15 +47,32 @@ import gevent
 import orjson
 from gevent.event import AsyncResult
 
+from compaction import joined_ends
 from objectstore import ObjectStore, StorageUnavailable
-from segments import CorruptSegment, count_within, decode_header, verify_payload
+from segments import (
+    POSITION_BYTES,
+    CorruptSegment,
+    ProducerEntry,
+    SegmentIndex,
+    StreamState,
+    closer_of,
+    count_within,
+    decode_header,
+    encode_segment,
+    positions_bytes,
+    positions_of,
+    producer_entries,
+    verify_payload,
+)
 
 log = logging.getLogger("picomq.log")
 
 LOG = "log"
-MAGIC = b"PMQLOG1\n"
+MAGIC = b"PMQLOG2\n"
+MAGIC_BEFORE = b"PMQLOG1\n"  # each record a whole segment: read, no longer written
 FENCE = b"PMQFENCE\n"
-HEADER = struct.Struct(">I")
+HEADER = struct.Struct(">II")  # the header's length; the checksum of header and body
+LENGTH = struct.Struct(">I")  # the header's length (MAGIC_BEFORE)
 # A flush whose outcome is unknown is tried again this many times before the member
 # gives up its identity.
 FLUSH_ATTEMPTS = 3
@@ -58,15 +86,75 @@ class Fenced(StorageUnavailable):
 
 
 class Record(NamedTuple):
-    """One batch of one stream: `data` is the segment it is, starting at `start`.
+    """One batch of one stream, as the commit planned it: its data, where its appends
+    and messages end (relative to `start`), and the stream's state after it.
 
-    A tuple: over many streams each append is a commit with a record of its own, and a
-    frozen dataclass costs several times a tuple to build."""
+    Not a segment: over many streams each append is a commit with a record of its
+    own, and encoding each as a segment was a large part of its commit (bench/README.md,
+    "Many streams"). The
+    segment it stands for is made when records are rewritten or replayed, and a
+    reader of a held record reads its payload at the positions of `index`. A tuple,
+    as a frozen dataclass costs several times a tuple to build.
+    """
 
     path: str
     prefix: str  # the stream's folder, incarnation included: streams/<key>/<incarnation>
     start: int
-    data: bytes
+    end: int
+    payload: bytes
+    append_ends: array
+    message_ends: array
+    closed: bool
+    closer: tuple[str, int, int] | None
+    stream_seq: str | None
+    producer_snapshot: str | None
+    producers: dict[str, ProducerEntry]  # the entries changed since the snapshot
+    written_at: float
+
+    @property
+    def nbytes(self) -> int:
+        """What it holds in memory, about: its payload and its ends."""
+        return len(self.payload) + POSITION_BYTES * (len(self.append_ends) + len(self.message_ends))
+
+    def state(self) -> StreamState:
+        """The stream's state after it, as a segment's header gives it."""
+        producers = dict(self.producers)
+        return StreamState(
+            self.end, self.closed, producers, self.closer, self.stream_seq,
+            self.producer_snapshot, set(producers),
+        )  # fmt: skip
+
+    def index(self) -> SegmentIndex:
+        """Where its appends and messages sit in `payload` (a held record's piece)."""
+        return SegmentIndex(
+            self.start, self.end, 0, self.append_ends, self.message_ends,
+            written_at=self.written_at,
+        )  # fmt: skip
+
+
+def record_of(path: str, prefix: str, segment: bytes) -> Record:
+    """The record a whole segment holds; CorruptSegment if it fails its checks."""
+    index, state = decode_header(segment)
+    verify_payload(segment, index)
+    return Record(
+        path, prefix, index.start, index.end, segment[index.payload_position :],
+        index.append_ends, index.message_ends, state.closed, state.closer,
+        state.stream_seq, state.producer_snapshot, state.producers, index.written_at,
+    )  # fmt: skip
+
+
+def join(start: int, records: list[Record], token: str) -> tuple[bytes, SegmentIndex]:
+    """The segment at `start` holding consecutive `records`, in order.
+
+    The state is the last one's: it carries every producer entry changed since the
+    table's last snapshot, as each record does.
+    """
+    payload = b"".join(record.payload for record in records)
+    appends, messages = joined_ends(start, records)
+    last = records[-1]
+    return encode_segment(
+        start, payload, appends, messages, last.state(), written_at=last.written_at, token=token
+    )
 
 
 def log_key(member: str, seq: int) -> str:
@@ -74,30 +162,74 @@ def log_key(member: str, seq: int) -> str:
 
 
 def encode_log(token: str, records: list[Record]) -> bytes:
-    header = orjson.dumps(
-        {
-            "token": token,
-            "records": [[r.path, r.prefix, r.start, len(r.data)] for r in records],
-        }
-    )
-    return b"".join([MAGIC, HEADER.pack(len(header)), header, *(r.data for r in records)])
+    """One flush: a header naming every record, then each record's ends and payload,
+    and one checksum over both (a torn object is skipped whole)."""
+    # Each record's fields but its payload and ends, whose counts stand for them.
+    fields = [[*r[:4], len(r.append_ends), len(r.message_ends), *r[7:]] for r in records]
+    header = orjson.dumps({"token": token, "records": fields})
+    body = b"".join(
+        [part for r in records for part in (
+            positions_bytes(r.append_ends), positions_bytes(r.message_ends), r.payload)]
+    )  # fmt: skip
+    checksum = zlib.crc32(body, zlib.crc32(header))
+    return b"".join([MAGIC, HEADER.pack(len(header), checksum), header, body])
 
 
 def decode_log(data: bytes) -> tuple[str, list[Record]]:
     """The token and records of a log object; a fence holds none. ValueError if torn."""
     if data.startswith(FENCE):
         return "", []
+    if data.startswith(MAGIC_BEFORE):
+        return _decode_segments(data)
     if not data.startswith(MAGIC) or len(data) < len(MAGIC) + HEADER.size:
         raise ValueError("not a log object")
-    (length,) = HEADER.unpack_from(data, len(MAGIC))
+    length, checksum = HEADER.unpack_from(data, len(MAGIC))
     position = len(MAGIC) + HEADER.size
+    view = memoryview(data)
+    if zlib.crc32(view[position:]) != checksum:
+        raise ValueError("log object checksum mismatch")
+    header = orjson.loads(view[position : position + length])
+    position += length
+    records = []
+    for path, prefix, start, end, appends, messages, *state in header["records"]:
+        append_ends, position = _positions_at(data, position, appends)
+        message_ends, position = _positions_at(data, position, messages)
+        payload, position = data[position : position + end - start], position + end - start
+        if len(payload) != end - start:
+            raise ValueError("log object shorter than its header says")
+        closed, closer, stream_seq, snapshot, producers, written_at = state
+        records.append(Record(
+            path, prefix, start, end, payload, append_ends, message_ends, closed,
+            closer_of(closer), stream_seq, snapshot, producer_entries(producers, written_at),
+            written_at,
+        ))  # fmt: skip
+    return header["token"], records
+
+
+def _positions_at(data: bytes, position: int, count: int) -> tuple[array, int]:
+    """`count` positions stored at `position`, and where they end."""
+    end = position + POSITION_BYTES * count
+    if end > len(data):
+        raise ValueError("log object shorter than its header says")
+    return positions_of(data[position:end]), end
+
+
+def _decode_segments(data: bytes) -> tuple[str, list[Record]]:
+    """A log object of the release before (`MAGIC_BEFORE`): each record a whole segment."""
+    if len(data) < len(MAGIC_BEFORE) + LENGTH.size:
+        raise ValueError("not a log object")
+    (length,) = LENGTH.unpack_from(data, len(MAGIC_BEFORE))
+    position = len(MAGIC_BEFORE) + LENGTH.size
     header = orjson.loads(data[position : position + length])
     position += length
     records = []
-    for path, prefix, start, size in header["records"]:
+    for path, prefix, _, size in header["records"]:
         if position + size > len(data):
             raise ValueError("log object shorter than its header says")
-        records.append(Record(path, prefix, start, data[position : position + size]))
+        try:
+            records.append(record_of(path, prefix, data[position : position + size]))
+        except (CorruptSegment, struct.error) as error:
+            raise ValueError(f"a torn record: {error}") from error
         position += size
     return header["token"], records
 
@@ -156,7 +288,7 @@ class Log:
                 self.flushing = False
 
     def _flush(self) -> None:
-        taken = count_within((len(record.data) for record, _ in self.waiting), MAX_FLUSH_BYTES)
+        taken = count_within((len(record.payload) for record, _ in self.waiting), MAX_FLUSH_BYTES)
         batch, self.waiting = self.waiting[:taken], self.waiting[taken:]
         member = self.member
         if member is None:
@@ -290,9 +422,10 @@ def read_log(objects: ObjectStore, member: str, below: int) -> tuple[list[int], 
     objects, and their records in order.
 
     Only a flush never acknowledged can be torn (the last one stored before a crash,
-    whose sync did not return): such an object, and any whose records do not verify,
-    is skipped. Fences are not counted:
-    they must stay while the member they fence may still try to write.
+    whose sync did not return; a log object linked before its blocks reached the disk
+    may read back with its header whole and zeros after it, localdisk.py): such an
+    object fails its checksum and is skipped. Fences are not counted: they must stay
+    while the member they fence may still try to write.
     """
     seqs, records = [], []
     for seq in sorted(s for s in _numbers(objects, member) if s < below):
@@ -304,18 +437,10 @@ def read_log(objects: ObjectStore, member: str, below: int) -> tuple[list[int], 
             continue
         seqs.append(seq)
         try:
-            records += _whole(decode_log(data)[1])
-        except (ValueError, CorruptSegment, struct.error) as error:
+            records += decode_log(data)[1]
+        except (ValueError, struct.error) as error:
             log.warning("skipping torn log object %s: %s", log_key(member, seq), error)
     return seqs, records
-
-
-def _whole(records: list[Record]) -> list[Record]:
-    """Check each record's checksums: a log object linked before its blocks reached the
-    disk (localdisk.py) may read back with its header whole and zeros after it."""
-    for record in records:
-        verify_payload(record.data, decode_header(record.data)[0])
-    return records
 
 
 def _numbers(objects: ObjectStore, member: str) -> list[int]:

@@ -19,6 +19,7 @@ import time
 
 import gevent
 
+from log import Record
 from objectstore import ObjectCache, ObjectStore, StorageUnavailable
 from segments import (
     HEADER_PROBE_BYTES,
@@ -45,11 +46,13 @@ class Pieces:
         self.indexes: ObjectCache[SegmentIndex] = ObjectCache(settings.index_cache_bytes)
         # Records of the member's log not yet in their streams' segments, by their
         # `Stream.logged_key`: never evicted, dropped once rewritten (rewrites.py).
-        self.held: dict[str, bytes] = {}
+        # Such a piece is the record's payload alone, at its index's positions.
+        self.held: dict[str, Record] = {}
 
     def cached(self, key: str) -> bytes | None:
         """A piece's bytes from memory: held until rewritten, or cached."""
-        return self.held.get(key) or self.cache.get(key)
+        record = self.held.get(key)
+        return self.cache.get(key) if record is None else record.payload
 
     def index(self, stream: Stream) -> None:
         """List a stream's segments and packs and read its state from the last one.
@@ -161,7 +164,12 @@ class Pieces:
         from storage, it may be another process's, just linked: made durable before
         anything in it is served.
         """
-        data = self.cached(key)
+        record = self.held.get(key)
+        if record is not None:
+            index = record.index()
+            self.indexes.put(key, index, index.nbytes)
+            return index, record.state()
+        data = self.cache.get(key)
         if data is None:
             data = (
                 self.objects.read(key) if whole else self.objects.read(key, 0, HEADER_PROBE_BYTES)

@@ -8,8 +8,8 @@ first one's start, exactly as a commit would have written them:
 
     streams/<key>/<incarnation>/seg/<start>     records [start, end) of the stream
 
-Until then a record's bytes are held in memory (`Pieces.held`, under the stream's
-`logged_key`) and serve its reads. A stream's records are rewritten once the oldest
+Until then a record is held in memory (`Pieces.held`, under the stream's
+`logged_key`) and its payload serves its reads. A stream's records are rewritten once the oldest
 is `rewrite_seconds` old or they hold `rewrite_bytes`, all of them at once when the
 process holds more than `held_bytes`, and on demand: before a fork of the stream is
 made, and when the process stops. The segment is written create-only, as every
@@ -29,42 +29,16 @@ import gevent
 from gevent.event import Event
 from gevent.pool import Pool
 
-from compaction import joined_ends
-from log import Log
+from log import Log, Record, join
 from objectstore import StorageUnavailable
 from pieces import Pieces
-from segments import (
-    MAX_SEGMENT_BYTES,
-    SegmentIndex,
-    count_within,
-    decode_header,
-    encode_segment,
-    verify_payload,
-)
+from segments import MAX_SEGMENT_BYTES, count_within
 from streams import Stream
 
 log = logging.getLogger("picomq.storage")
 
 CONCURRENT_REWRITES = 8  # object stores: a PUT each, in flight together
 RETRY_SECONDS = 1.0
-
-
-def join(start: int, segments: list[bytes], token: str) -> tuple[bytes, SegmentIndex]:
-    """The segment at `start` holding consecutive `segments` (each a whole one) in order.
-
-    The state is the last one's: its header carries every producer entry changed
-    since the table's last snapshot, as each header does.
-    """
-    headers = [decode_header(data) for data in segments]
-    for data, (index, _) in zip(segments, headers, strict=True):
-        verify_payload(data, index)  # its checksum is made anew: check the one it had
-    payload = b"".join(data[index.payload_position :] for data, (index, _) in zip(
-        segments, headers, strict=True))  # fmt: skip
-    appends, messages = joined_ends(start, [index for index, _ in headers])
-    last, state = headers[-1]
-    return encode_segment(
-        start, payload, appends, messages, state, written_at=last.written_at, token=token
-    )
 
 
 class Rewrites:
@@ -80,14 +54,14 @@ class Rewrites:
         self.due = Event()
         self.worker: gevent.Greenlet | None = None
 
-    def hold(self, stream: Stream, start: int, seq: int, data: bytes, index: SegmentIndex) -> None:
-        """A commit is in log object `seq`: hold its bytes until rewritten."""
-        key = stream.logged_key(start)
-        self.pieces.held[key] = data
-        self.pieces.indexes.put(key, index, index.nbytes)
-        stream.add_logged(start, seq, len(data), key)
+    def hold(self, stream: Stream, record: Record, seq: int) -> None:
+        """A commit is in log object `seq`: hold its record until rewritten."""
+        key = stream.logged_key(record.start)
+        self.pieces.held[key] = record
+        size = record.nbytes
+        stream.add_logged(record.start, seq, size, key)
         self.holding[id(stream)] = stream
-        self.held_bytes += len(data)
+        self.held_bytes += size
         settings = self.settings
         if stream.logged_bytes >= settings.rewrite_bytes or self.held_bytes > settings.held_bytes:
             self.due.set()
@@ -140,9 +114,8 @@ class Rewrites:
         sizes = (size for _, size, _ in stream.logged.values())
         run = list(itertools.islice(stream.logged, count_within(sizes, MAX_SEGMENT_BYTES)))
         keys = [stream.logged_key(start) for start in run]
-        segments = [self.pieces.held[key] for key in keys]
         token = os.urandom(16).hex()
-        data, index = join(run[0], segments, token)
+        data, index = join(run[0], [self.pieces.held[key] for key in keys], token)
         key = stream.segment_key(run[0])
         try:
             self.objects.create(key, data, verified_on_load=True)
@@ -156,8 +129,7 @@ class Rewrites:
             return False
         if not stream.logged or next(iter(stream.logged)) != run[0]:
             return False  # dropped meanwhile: deleted, or served elsewhere now
-        for held in keys:
-            self.held_bytes -= len(self.pieces.held.pop(held, b""))
+        self._let_go(keys)
         self.pieces.cache.put(key, data)
         self.pieces.indexes.put(key, index, index.nbytes)
         self.log.release(stream.adopt_rewrite(run))
@@ -173,11 +145,16 @@ class Rewrites:
         if not stream.logged:
             return
         seqs = [seq for seq, _, _ in stream.logged.values()]
-        for key in stream.drop_logged():
-            self.held_bytes -= len(self.pieces.held.pop(key, b""))
+        self._let_go(stream.drop_logged())
         self.holding.pop(id(stream), None)
         if erased:
             self.log.release(seqs)
+
+    def _let_go(self, keys: list[str]) -> None:
+        for key in keys:
+            record = self.pieces.held.pop(key, None)
+            if record is not None:
+                self.held_bytes -= record.nbytes
 
     def rewrite_all(self, seconds: float) -> bool:
         """Rewrite everything held, within `seconds`; True if nothing is held after."""

@@ -32,6 +32,7 @@ import zlib
 from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import orjson
 
@@ -39,6 +40,7 @@ MAGIC = b"PMQ1"
 PREFIX = struct.Struct(">4sII")
 HEADER_PROBE_BYTES = 64 * 1024
 POSITION_TYPE = "I"  # u32: a segment holds less than 4 GiB
+POSITION_BYTES = 4
 # A segment a commit, a rewrite or a replay writes holds at most this much data (or one
 # append, one record, if larger): well inside its u32 positions.
 MAX_SEGMENT_BYTES = 64 * 1024 * 1024
@@ -86,6 +88,20 @@ class StreamState:
         return {key: self.producers[key] for key in self.producers_changed}
 
 
+class Ends(Protocol):
+    """Where a piece's appends and messages end, relative to its start: a segment's
+    index, or a record of the log."""
+
+    @property
+    def start(self) -> int: ...
+
+    @property
+    def append_ends(self) -> array: ...
+
+    @property
+    def message_ends(self) -> array: ...
+
+
 def count_within(sizes: Iterable[int], most: int) -> int:
     """How many of the first items, of these sizes, fit in `most` bytes together; one at
     least, if there is one."""
@@ -101,6 +117,23 @@ def count_within(sizes: Iterable[int], most: int) -> int:
 def positions(values: list[int] | None = None) -> array:
     """An empty (or filled) array of relative positions, as SegmentIndex holds them."""
     return array(POSITION_TYPE, values or ())
+
+
+def positions_bytes(values: array) -> bytes:
+    """Positions as stored: little-endian u32s."""
+    if not LITTLE_ENDIAN:
+        values = array(POSITION_TYPE, values)
+        values.byteswap()
+    return values.tobytes()
+
+
+def positions_of(data: bytes) -> array:
+    """Positions from what `positions_bytes` stored."""
+    values = positions()
+    values.frombytes(data)
+    if not LITTLE_ENDIAN:
+        values.byteswap()
+    return values
 
 
 @dataclass(frozen=True)
@@ -244,17 +277,12 @@ def decode_header(head: bytes) -> tuple[SegmentIndex, StreamState]:
         written_at=written_at,
         token=fields.get("token", ""),
     )
-    closer = fields["closer"]
-    # Entries written before producers expired carry no time: they count from the segment's.
-    producers = {
-        key: (value[0], value[1], value[2] if len(value) > 2 else int(written_at))
-        for key, value in fields["producers"].items()
-    }
+    producers = producer_entries(fields["producers"], written_at)
     state = StreamState(
         tail=fields["end"],
         closed=fields["closed"],
         producers=producers,
-        closer=(closer[0], closer[1], closer[2]) if closer else None,
+        closer=closer_of(fields["closer"]),
         stream_seq=fields["stream_seq"],
         producer_snapshot=fields.get("producer_snapshot"),
         producers_changed=set(producers),
@@ -263,21 +291,14 @@ def decode_header(head: bytes) -> tuple[SegmentIndex, StreamState]:
 
 
 def _encode_positions(values: array) -> str:
-    if not LITTLE_ENDIAN:
-        values = array(POSITION_TYPE, values)
-        values.byteswap()
-    return base64.b64encode(values.tobytes()).decode()
+    return base64.b64encode(positions_bytes(values)).decode()
 
 
 def _decode_positions(fields: dict, name: str, legacy_name: str, start: int) -> array:
     """Relative positions from `name`, or from a legacy header's absolute `legacy_name`."""
     if name not in fields:
         return positions([end - start for end in fields[legacy_name]])
-    values = positions()
-    values.frombytes(base64.b64decode(fields[name]))
-    if not LITTLE_ENDIAN:
-        values.byteswap()
-    return values
+    return positions_of(base64.b64decode(fields[name]))
 
 
 def encode_producer_table(producers: dict[str, ProducerEntry]) -> bytes:
@@ -286,7 +307,23 @@ def encode_producer_table(producers: dict[str, ProducerEntry]) -> bytes:
 
 
 def decode_producer_table(data: bytes) -> dict[str, ProducerEntry]:
-    return {key: (value[0], value[1], value[2]) for key, value in orjson.loads(data).items()}
+    return producer_entries(orjson.loads(data))
+
+
+def producer_entries(
+    decoded: dict[str, list[int]], written_at: float = 0
+) -> dict[str, ProducerEntry]:
+    """Producer entries as JSON gave them back. Entries written before producers expired
+    carry no time: they count from `written_at`, their segment's."""
+    return {
+        key: (value[0], value[1], value[2] if len(value) > 2 else int(written_at))
+        for key, value in decoded.items()
+    }
+
+
+def closer_of(decoded: list | None) -> tuple[str, int, int] | None:
+    """The closing producer (id, epoch, sequence), as JSON gave it back."""
+    return (decoded[0], decoded[1], decoded[2]) if decoded else None
 
 
 def verify_payload(data: bytes, index: SegmentIndex) -> None:

@@ -64,11 +64,11 @@ from buckets import Bucket
 from commits import Commits
 from lifecycle import Lifecycle
 from localdisk import LocalDisk
-from log import Log, Record, fence, log_key, read_log
+from log import Log, Record, fence, join, log_key, read_log
 from objectstore import ObjectStore, StorageUnavailable
 from pieces import Pieces
 from reads import Reads
-from rewrites import Rewrites, join
+from rewrites import Rewrites
 from segments import MAX_SEGMENT_BYTES, StreamState, count_within
 from streams import (
     LEGACY_HASHED_PREFIX,
@@ -714,9 +714,9 @@ class StreamStore:
                       stream.config.path, missing[0].start, stream.state.tail)  # fmt: skip
             return
         while missing:
-            taken = count_within((len(record.data) for record in missing), MAX_SEGMENT_BYTES)
+            taken = count_within((len(record.payload) for record in missing), MAX_SEGMENT_BYTES)
             run, missing = missing[:taken], missing[taken:]
-            data, _ = join(run[0].start, [record.data for record in run], os.urandom(16).hex())
+            data, _ = join(run[0].start, run, os.urandom(16).hex())
             self.objects.create(stream.segment_key(run[0].start), data, verified_on_load=True)
 
     def close(self) -> None:

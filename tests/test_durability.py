@@ -23,7 +23,7 @@ import pytest
 import requests
 from conftest import follow_stream
 
-from log import Record, encode_log, log_key
+from log import encode_log, log_key, record_of
 from segments import StreamState, encode_segment, positions
 
 if TYPE_CHECKING:
@@ -505,11 +505,13 @@ def tear_next_log_object(server: Server, path: str, position: int, how: str) -> 
     """The member's next log object, holding a commit never acknowledged, torn."""
     directory = log_directory(server)
     numbers = [int(name.name) for name in directory.iterdir() if name.name.isdigit()]
-    segment, _ = segment_at(position, b"never acknowledged\n")
+    payload = b"never acknowledged\n"
+    segment, _ = segment_at(position, payload)
     prefix = str(stream_prefix(server).relative_to(server.data_dir))
-    whole = encode_log("0" * 32, [Record(path, prefix, position, segment)])
+    whole = encode_log("0" * 32, [record_of(path, prefix, segment)])
     next_object = server.data_dir / log_key(directory.name, max(numbers) + 1)
-    next_object.write_bytes(torn(whole, len(whole) - len(segment), how))
+    body = 4 + len(payload)  # the record's one append end, then its payload
+    next_object.write_bytes(torn(whole, len(whole) - body, how))
     (directory / ".tmp-0123456789abcdef0123456789abcdef").write_bytes(b"half a log")
 
 

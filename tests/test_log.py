@@ -10,11 +10,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import fsspec
+import orjson
 import pytest
 from conftest import read_all
 
-from log import Fenced, log_key
+from log import LENGTH, MAGIC_BEFORE, Fenced, Record, decode_log, log_key
 from objectstore import ObjectStore, StorageUnavailable
+from segments import encode_segment
 from storage import StreamStore, open_objects
 from streams import AppendRequest, CreateRequest, Payload, Producer, StoreSettings
 
@@ -89,6 +91,46 @@ def test_a_dead_members_commits_are_replayed_once(make_member: MakeMember) -> No
     append(second, "s", b"2;", seq=2)
     append(second, "s", b"3;", seq=3)
     assert read_all(second, "s") == b"a;0;1;2;3;"
+
+
+def log_of_the_release_before(records: list[Record]) -> bytes:
+    """A log object as the release before wrote it: each record a whole segment."""
+    segments = [
+        encode_segment(r.start, r.payload, r.append_ends, r.message_ends, r.state(),
+                       written_at=r.written_at)[0]
+        for r in records
+    ]  # fmt: skip
+    listed = [
+        [r.path, r.prefix, r.start, len(data)] for r, data in zip(records, segments, strict=True)
+    ]
+    header = orjson.dumps({"token": "0" * 32, "records": listed})
+    return b"".join([MAGIC_BEFORE, LENGTH.pack(len(header)), header, *segments])
+
+
+def test_a_log_of_the_release_before_is_replayed(make_member: MakeMember) -> None:
+    first = make_member("m1")
+    first.create("j", CreateRequest("application/json"))
+    for number in range(3):
+        first.append("j", AppendRequest(
+            "application/json", Payload.from_messages([b"%d" % number, b"[%d]" % number]),
+            producer=Producer("p", 0, number),
+        ))  # fmt: skip
+    for name in names(first.objects, "log/m1"):
+        key = f"log/m1/{name}"
+        records = decode_log(first.objects.read(key))[1]
+        first.objects.delete_many([key])
+        first.objects.create(key, log_of_the_release_before(records))
+
+    second = make_member("m2")
+    second.replay("m1")
+    assert read_all(second, "j") == b"[0,[0],1,[1],2,[2]]"
+    # The producer state came with the data; message ends too: a read starts at each.
+    second.append("j", AppendRequest(
+        "application/json", Payload.from_messages([b"2"]), producer=Producer("p", 0, 2)
+    ))  # fmt: skip
+    assert read_all(second, "j") == b"[0,[0],1,[1],2,[2]]"
+    assert read_all(second, "j", offset=2) == b"[[0],1,[1],2,[2]]"
+    assert names(second.objects, "log/m1") == ["000000000004"]  # its fence: the rest went
 
 
 def test_a_fenced_member_acknowledges_nothing_more(make_member: MakeMember) -> None:
