@@ -42,6 +42,7 @@ from segments import (
     encode_producer_table,
     encode_segment,
     positions,
+    positions_bytes,
 )
 from streams import (
     PRODUCER_ENTRY_BYTES,
@@ -77,7 +78,6 @@ PRODUCER_IDLE_SECONDS = 7 * 24 * 3600  # as the reference server and Kafka's def
 PRODUCER_CHANGES_BYTES = 16 * 1024
 ENCODED_ENTRY_BYTES = 40  # an entry's quotes, brackets and numbers, besides its id
 INTERRUPTED_APPEND = "the append was interrupted; it may have been written"
-NO_PRODUCERS: dict[str, ProducerEntry] = {}  # a record's, when none changed: never changed
 
 
 class Commits:
@@ -249,11 +249,12 @@ class Commits:
         record is stored (log.py); held in memory until rewritten (rewrites.py)."""
         stream.raise_if_retired()  # moved while a producer snapshot was written
         state = plan.state
-        changed = state.changed_producers() if state.producers_changed else NO_PRODUCERS
+        producers = state.producers
+        changed = tuple((key, producers[key]) for key in state.producers_changed)
         record = Record(
             stream.config.path, stream.prefix, plan.start, state.tail, b"".join(plan.payload),
-            plan.append_ends, plan.message_ends, state.closed, state.closer, state.stream_seq,
-            state.producer_snapshot, changed, time.time(),
+            positions_bytes(plan.append_ends), positions_bytes(plan.message_ends), state.closed,
+            state.closer, state.stream_seq, state.producer_snapshot, changed, time.time(),
         )  # fmt: skip
         stream.creating = plan.start
         try:

@@ -22,13 +22,12 @@ from __future__ import annotations
 import itertools
 import logging
 from array import array
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import gevent
 
 from objectstore import StorageUnavailable
-from segments import CorruptSegment, Ends, encode_segment, positions
+from segments import CorruptSegment, SegmentIndex, encode_segment, positions
 
 if TYPE_CHECKING:
     from pieces import Pieces
@@ -74,17 +73,17 @@ def _compact(pieces: Pieces, stream: Stream) -> None:
         stream.end_housekeeping()
 
 
-def joined_ends(start: int, parts: Sequence[Ends]) -> tuple[array, array]:
-    """The append and message ends of consecutive pieces, relative to the first's start.
+def joined_ends(start: int, indexes: list[SegmentIndex]) -> tuple[array, array]:
+    """The append and message ends of consecutive segments, relative to the first's start.
 
     A run holds up to compact_max_bytes of small messages: the loop yields between
     segments, so other requests never wait on more than one segment's worth.
     """
     appends, messages = positions(), positions()
-    for part in parts:
-        shift = part.start - start
-        appends.extend(end + shift for end in part.append_ends)
-        messages.extend(end + shift for end in part.message_ends)
+    for index in indexes:
+        shift = index.start - start
+        appends.extend(end + shift for end in index.append_ends)
+        messages.extend(end + shift for end in index.message_ends)
         gevent.sleep(0)
     return appends, messages
 

@@ -10,7 +10,7 @@ answered, once the log object holding its record exists:
     b"PMQLOG2\n" | header length (u32) | CRC-32 of header and body (u32) | header JSON
     | body: each record's append ends, message ends (little-endian u32s) and payload
 
-The header lists each record's stream, folder, start, end, ends counts and state
+The header lists each record's stream, folder, start, end, its ends' lengths and state
 (closed, closer, Stream-Seq, producer snapshot, the producer entries changed since
 it, when written): what a segment's header holds, so a record never depends on
 another. Objects of the release before (`MAGIC_BEFORE`, each record a whole segment)
@@ -39,7 +39,6 @@ import logging
 import os
 import struct
 import zlib
-from array import array
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -50,7 +49,6 @@ from gevent.event import AsyncResult
 from compaction import joined_ends
 from objectstore import ObjectStore, StorageUnavailable
 from segments import (
-    POSITION_BYTES,
     CorruptSegment,
     ProducerEntry,
     SegmentIndex,
@@ -87,14 +85,17 @@ class Fenced(StorageUnavailable):
 
 class Record(NamedTuple):
     """One batch of one stream, as the commit planned it: its data, where its appends
-    and messages end (relative to `start`), and the stream's state after it.
+    and messages end (relative to `start`, as stored: `positions_bytes`), and the
+    stream's state after it.
 
     Not a segment: over many streams each append is a commit with a record of its
     own, and encoding each as a segment was a large part of its commit (bench/README.md,
     "Many streams"). The
     segment it stands for is made when records are rewritten or replayed, and a
     reader of a held record reads its payload at the positions of `index`. A tuple,
-    as a frozen dataclass costs several times a tuple to build.
+    as a frozen dataclass costs several times a tuple to build; of nothing but bytes,
+    numbers, strings and tuples of them, so that the garbage collector can stop tracking
+    it (`Pieces.hold`: an array or a dict in each made every collection walk them).
     """
 
     path: str
@@ -102,19 +103,19 @@ class Record(NamedTuple):
     start: int
     end: int
     payload: bytes
-    append_ends: array
-    message_ends: array
+    append_ends: bytes
+    message_ends: bytes
     closed: bool
     closer: tuple[str, int, int] | None
     stream_seq: str | None
     producer_snapshot: str | None
-    producers: dict[str, ProducerEntry]  # the entries changed since the snapshot
+    producers: tuple[tuple[str, ProducerEntry], ...]  # (id, entry) changed since the snapshot
     written_at: float
 
     @property
     def nbytes(self) -> int:
         """What it holds in memory, about: its payload and its ends."""
-        return len(self.payload) + POSITION_BYTES * (len(self.append_ends) + len(self.message_ends))
+        return len(self.payload) + len(self.append_ends) + len(self.message_ends)
 
     def state(self) -> StreamState:
         """The stream's state after it, as a segment's header gives it."""
@@ -127,8 +128,8 @@ class Record(NamedTuple):
     def index(self) -> SegmentIndex:
         """Where its appends and messages sit in `payload` (a held record's piece)."""
         return SegmentIndex(
-            self.start, self.end, 0, self.append_ends, self.message_ends,
-            written_at=self.written_at,
+            self.start, self.end, 0, positions_of(self.append_ends),
+            positions_of(self.message_ends), written_at=self.written_at,
         )  # fmt: skip
 
 
@@ -138,8 +139,10 @@ def record_of(path: str, prefix: str, segment: bytes) -> Record:
     verify_payload(segment, index)
     return Record(
         path, prefix, index.start, index.end, segment[index.payload_position :],
-        index.append_ends, index.message_ends, state.closed, state.closer,
-        state.stream_seq, state.producer_snapshot, state.producers, index.written_at,
+        positions_bytes(index.append_ends), positions_bytes(index.message_ends), state.closed,
+        state.closer,
+        state.stream_seq, state.producer_snapshot, tuple(state.producers.items()),
+        index.written_at,
     )  # fmt: skip
 
 
@@ -150,7 +153,7 @@ def join(start: int, records: list[Record], token: str) -> tuple[bytes, SegmentI
     table's last snapshot, as each record does.
     """
     payload = b"".join(record.payload for record in records)
-    appends, messages = joined_ends(start, records)
+    appends, messages = joined_ends(start, [record.index() for record in records])
     last = records[-1]
     return encode_segment(
         start, payload, appends, messages, last.state(), written_at=last.written_at, token=token
@@ -164,13 +167,10 @@ def log_key(member: str, seq: int) -> str:
 def encode_log(token: str, records: list[Record]) -> bytes:
     """One flush: a header naming every record, then each record's ends and payload,
     and one checksum over both (a torn object is skipped whole)."""
-    # Each record's fields but its payload and ends, whose counts stand for them.
+    # Each record's fields but its payload and ends, whose lengths stand for them.
     fields = [[*r[:4], len(r.append_ends), len(r.message_ends), *r[7:]] for r in records]
     header = orjson.dumps({"token": token, "records": fields})
-    body = b"".join(
-        [part for r in records for part in (
-            positions_bytes(r.append_ends), positions_bytes(r.message_ends), r.payload)]
-    )  # fmt: skip
+    body = b"".join([part for r in records for part in (r.append_ends, r.message_ends, r.payload)])
     checksum = zlib.crc32(body, zlib.crc32(header))
     return b"".join([MAGIC, HEADER.pack(len(header), checksum), header, body])
 
@@ -191,27 +191,26 @@ def decode_log(data: bytes) -> tuple[str, list[Record]]:
     header = orjson.loads(view[position : position + length])
     position += length
     records = []
-    for path, prefix, start, end, appends, messages, *state in header["records"]:
-        append_ends, position = _positions_at(data, position, appends)
-        message_ends, position = _positions_at(data, position, messages)
-        payload, position = data[position : position + end - start], position + end - start
-        if len(payload) != end - start:
-            raise ValueError("log object shorter than its header says")
+    for path, prefix, start, end, appends_length, messages_length, *state in header["records"]:
+        append_ends, position = _bytes_at(data, position, appends_length)
+        message_ends, position = _bytes_at(data, position, messages_length)
+        payload, position = _bytes_at(data, position, end - start)
         closed, closer, stream_seq, snapshot, producers, written_at = state
         records.append(Record(
             path, prefix, start, end, payload, append_ends, message_ends, closed,
-            closer_of(closer), stream_seq, snapshot, producer_entries(producers, written_at),
+            closer_of(closer), stream_seq, snapshot,
+            tuple(producer_entries(dict(producers), written_at).items()),
             written_at,
         ))  # fmt: skip
     return header["token"], records
 
 
-def _positions_at(data: bytes, position: int, count: int) -> tuple[array, int]:
-    """`count` positions stored at `position`, and where they end."""
-    end = position + POSITION_BYTES * count
+def _bytes_at(data: bytes, position: int, length: int) -> tuple[bytes, int]:
+    """The `length` bytes at `position`, and where they end."""
+    end = position + length
     if end > len(data):
         raise ValueError("log object shorter than its header says")
-    return positions_of(data[position:end]), end
+    return data[position:end], end
 
 
 def _decode_segments(data: bytes) -> tuple[str, list[Record]]:

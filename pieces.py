@@ -46,12 +46,30 @@ class Pieces:
         self.indexes: ObjectCache[SegmentIndex] = ObjectCache(settings.index_cache_bytes)
         # Records of the member's log not yet in their streams' segments, by their
         # `Stream.logged_key`: never evicted, dropped once rewritten (rewrites.py).
-        # Such a piece is the record's payload alone, at its index's positions.
-        self.held: dict[str, Record] = {}
+        # Such a piece is the record's payload alone, at its index's positions. Kept
+        # as plain tuples: the garbage collector stops tracking a tuple of atoms, but
+        # not a named one, and walking a hundred thousand held records made its
+        # collections a good part of a commit over many streams.
+        self._held: dict[str, tuple] = {}
+
+    def hold(self, key: str, record: Record) -> None:
+        self._held[key] = tuple(record)
+
+    def held(self, key: str) -> Record | None:
+        fields = self._held.get(key)
+        return None if fields is None else Record._make(fields)
+
+    def held_run(self, keys: list[str]) -> list[Record]:
+        """Records a stream holds, in order: KeyError if one is not held."""
+        return [Record._make(self._held[key]) for key in keys]
+
+    def let_go(self, key: str) -> Record | None:
+        fields = self._held.pop(key, None)
+        return None if fields is None else Record._make(fields)
 
     def cached(self, key: str) -> bytes | None:
         """A piece's bytes from memory: held until rewritten, or cached."""
-        record = self.held.get(key)
+        record = self.held(key)
         return self.cache.get(key) if record is None else record.payload
 
     def index(self, stream: Stream) -> None:
@@ -164,7 +182,7 @@ class Pieces:
         from storage, it may be another process's, just linked: made durable before
         anything in it is served.
         """
-        record = self.held.get(key)
+        record = self.held(key)
         if record is not None:
             index = record.index()
             self.indexes.put(key, index, index.nbytes)

@@ -8,7 +8,7 @@ first one's start, exactly as a commit would have written them:
 
     streams/<key>/<incarnation>/seg/<start>     records [start, end) of the stream
 
-Until then a record is held in memory (`Pieces.held`, under the stream's
+Until then a record is held in memory (`Pieces.hold`, under the stream's
 `logged_key`) and its payload serves its reads. A stream's records are rewritten once the oldest
 is `rewrite_seconds` old or they hold `rewrite_bytes`, all of them at once when the
 process holds more than `held_bytes`, and on demand: before a fork of the stream is
@@ -57,7 +57,7 @@ class Rewrites:
     def hold(self, stream: Stream, record: Record, seq: int) -> None:
         """A commit is in log object `seq`: hold its record until rewritten."""
         key = stream.logged_key(record.start)
-        self.pieces.held[key] = record
+        self.pieces.hold(key, record)
         size = record.nbytes
         stream.add_logged(record.start, seq, size, key)
         self.holding[id(stream)] = stream
@@ -115,7 +115,7 @@ class Rewrites:
         run = list(itertools.islice(stream.logged, count_within(sizes, MAX_SEGMENT_BYTES)))
         keys = [stream.logged_key(start) for start in run]
         token = os.urandom(16).hex()
-        data, index = join(run[0], [self.pieces.held[key] for key in keys], token)
+        data, index = join(run[0], self.pieces.held_run(keys), token)
         key = stream.segment_key(run[0])
         try:
             self.objects.create(key, data, verified_on_load=True)
@@ -152,7 +152,7 @@ class Rewrites:
 
     def _let_go(self, keys: list[str]) -> None:
         for key in keys:
-            record = self.pieces.held.pop(key, None)
+            record = self.pieces.let_go(key)
             if record is not None:
                 self.held_bytes -= record.nbytes
 

@@ -32,7 +32,6 @@ import zlib
 from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import orjson
 
@@ -86,20 +85,6 @@ class StreamState:
 
     def changed_producers(self) -> dict[str, ProducerEntry]:
         return {key: self.producers[key] for key in self.producers_changed}
-
-
-class Ends(Protocol):
-    """Where a piece's appends and messages end, relative to its start: a segment's
-    index, or a record of the log."""
-
-    @property
-    def start(self) -> int: ...
-
-    @property
-    def append_ends(self) -> array: ...
-
-    @property
-    def message_ends(self) -> array: ...
 
 
 def count_within(sizes: Iterable[int], most: int) -> int:

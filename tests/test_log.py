@@ -95,10 +95,11 @@ def test_a_dead_members_commits_are_replayed_once(make_member: MakeMember) -> No
 
 def log_of_the_release_before(records: list[Record]) -> bytes:
     """A log object as the release before wrote it: each record a whole segment."""
+    indexes = [record.index() for record in records]
     segments = [
-        encode_segment(r.start, r.payload, r.append_ends, r.message_ends, r.state(),
+        encode_segment(r.start, r.payload, index.append_ends, index.message_ends, r.state(),
                        written_at=r.written_at)[0]
-        for r in records
+        for r, index in zip(records, indexes, strict=True)
     ]  # fmt: skip
     listed = [
         [r.path, r.prefix, r.start, len(data)] for r, data in zip(records, segments, strict=True)
