@@ -46,7 +46,6 @@ import gevent
 import orjson
 from gevent.event import AsyncResult
 
-from compaction import joined_ends
 from objectstore import ObjectStore, StorageUnavailable
 from segments import (
     CorruptSegment,
@@ -56,7 +55,6 @@ from segments import (
     closer_of,
     count_within,
     decode_header,
-    encode_segment,
     positions_bytes,
     positions_of,
     producer_entries,
@@ -144,20 +142,6 @@ def record_of(path: str, prefix: str, segment: bytes) -> Record:
         state.stream_seq, state.producer_snapshot, tuple(state.producers.items()),
         index.written_at,
     )  # fmt: skip
-
-
-def join(start: int, records: list[Record], token: str) -> tuple[bytes, SegmentIndex]:
-    """The segment at `start` holding consecutive `records`, in order.
-
-    The state is the last one's: it carries every producer entry changed since the
-    table's last snapshot, as each record does.
-    """
-    payload = b"".join(record.payload for record in records)
-    appends, messages = joined_ends(start, [record.index() for record in records])
-    last = records[-1]
-    return encode_segment(
-        start, payload, appends, messages, last.state(), written_at=last.written_at, token=token
-    )
 
 
 def log_key(member: str, seq: int) -> str:

@@ -8,9 +8,9 @@ first one's start, exactly as a commit would have written them:
 
     streams/<key>/<incarnation>/seg/<start>     records [start, end) of the stream
 
-Until then a record is held in memory (`Pieces.hold`, under the stream's
-`logged_key`) and its payload serves its reads. A stream's records are rewritten once the oldest
-is `rewrite_seconds` old or they hold `rewrite_bytes`, all of them at once when the
+Until then a record is held in memory (`Pieces.hold`, under the stream's `logged_key`)
+and its payload serves its reads. A stream's records are rewritten once the oldest is
+`rewrite_seconds` old or they hold `rewrite_bytes`, all of them at once when the
 process holds more than `held_bytes`, and on demand: before a fork of the stream is
 made, and when the process stops. The segment is written create-only, as every
 segment: one at that name already means the records were rewritten by whoever
@@ -29,16 +29,31 @@ import gevent
 from gevent.event import Event
 from gevent.pool import Pool
 
-from log import Log, Record, join
+from compaction import joined_ends
+from log import Log, Record
 from objectstore import StorageUnavailable
 from pieces import Pieces
-from segments import MAX_SEGMENT_BYTES, count_within
+from segments import MAX_SEGMENT_BYTES, SegmentIndex, count_within, encode_segment
 from streams import Stream
 
 log = logging.getLogger("picomq.storage")
 
 CONCURRENT_REWRITES = 8  # object stores: a PUT each, in flight together
 RETRY_SECONDS = 1.0
+
+
+def join(start: int, records: list[Record], token: str) -> tuple[bytes, SegmentIndex]:
+    """The segment at `start` holding consecutive `records`, in order.
+
+    The state is the last one's: it carries every producer entry changed since the
+    table's last snapshot, as each record does.
+    """
+    payload = b"".join(record.payload for record in records)
+    appends, messages = joined_ends(start, [record.index() for record in records])
+    last = records[-1]
+    return encode_segment(
+        start, payload, appends, messages, last.state(), written_at=last.written_at, token=token
+    )
 
 
 class Rewrites:

@@ -64,11 +64,11 @@ from buckets import Bucket
 from commits import Commits
 from lifecycle import Lifecycle
 from localdisk import LocalDisk
-from log import Log, Record, fence, join, log_key, read_log
+from log import Log, Record, fence, log_key, read_log
 from objectstore import ObjectStore, StorageUnavailable
 from pieces import Pieces
 from reads import Reads
-from rewrites import Rewrites
+from rewrites import Rewrites, join
 from segments import MAX_SEGMENT_BYTES, StreamState, count_within
 from streams import (
     LEGACY_HASHED_PREFIX,
