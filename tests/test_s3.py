@@ -780,6 +780,7 @@ def test_a_create_does_not_read_back_what_it_wrote(
     node = start_server(storage_url=proxied_s3.url, env=proxied_s3.env, workers=1)
     first = f"{unique_stream}/first"
     create_stream(node, first)  # its partition is claimed, the directory read
+    wait_until_quiet(proxied_s3.proxy)  # the directory is read after the create answers
     path = next(
         candidate
         for candidate in (f"{unique_stream}/{number}" for number in range(10_000))
@@ -903,6 +904,19 @@ def idle_requests(proxy: FaultProxy) -> list[str]:
     since = proxy.count()
     time.sleep(IDLE_WINDOW_SECONDS)
     return [f"{record.method} {record.path}" for record in proxy.log()[since:]]
+
+
+def wait_until_quiet(proxy: FaultProxy, quiet_seconds: float = 0.5) -> None:
+    """Until no request has reached S3 for `quiet_seconds` (10 s at most): what a
+    request started in the background has ended."""
+    deadline = time.monotonic() + 10
+    count = proxy.count()
+    while time.monotonic() < deadline:
+        time.sleep(quiet_seconds)
+        if proxy.count() == count:
+            return
+        count = proxy.count()
+    raise AssertionError("requests to S3 went on for 10 s")
 
 
 def describe(record: Record) -> str:
