@@ -32,7 +32,9 @@ while streams are active shows only if its period fits in the window: the drain
 catches what the load left to do, not what the next appends would trigger. `--revision
 REV` (repeatable) runs the server of another git revision, checked out in a temporary
 worktree as ab.py does ("." is the working tree); each part alternates the revisions
-rep by rep.
+rep by rep, and runs its loads back to back within a rep (disk-appends' ratio pairs a
+revision's two loads of one rep, run seconds apart: this machine's speed drifts by a
+fifth over minutes, and a ratio of loads run minutes apart measured that drift).
 
     .venv/bin/python bench/many_streams.py --revision ef47b81 --revision .   # 16 min
     .venv/bin/python bench/many_streams.py --only s3 --streams 1,100 --drain 5
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import math
 import os
 import time
@@ -615,7 +618,8 @@ def main() -> None:
     os.sched_setaffinity(0, {arguments.client_core})
     open_files = servers.raise_open_file_limit()
     machine, command = compare.describe_run("bench/many_streams.py", open_files)
-    chosen = [load for part in arguments.parts for load in PARTS[part](arguments)]
+    parts = [PARTS[part](arguments) for part in arguments.parts]
+    chosen = [load for part in parts for load in part]
     runs: list[compare.Run] = []
     labels = {revision: revision_label(revision) for revision in arguments.revisions}
     with ExitStack() as stack:
@@ -632,11 +636,13 @@ def main() -> None:
                 picomq_env=environment,
             )
         work_root = stack.enter_context(compare.work_area(keep=False))
-        for load in chosen:
-            print(f"\n{load.title.format(**vars(options))}", flush=True)
+        for part in parts:
+            # The loads of a part run back to back in each rep: a ratio between them
+            # (disk-appends) compares runs seconds apart, as this machine's speed drifts.
+            print("\n" + "\n".join(load.title.format(**vars(options)) for load in part))
             for rep in range(arguments.reps):
                 order = arguments.revisions if rep % 2 == 0 else arguments.revisions[::-1]
-                for revision in order:
+                for revision, load in itertools.product(order, part):
                     work_dir = work_root / f"{load.name}-{len(runs)}"
                     work_dir.mkdir()
                     run = compare.measure(
@@ -644,7 +650,8 @@ def main() -> None:
                     )
                     run.server = labels[revision]
                     runs.append(run)
-                    print(f"  rep {rep + 1} {run.server}: {summarize(load, run)}", flush=True)
+                    summary = summarize(load, run)
+                    print(f"  rep {rep + 1} {run.server} {load.name}: {summary}", flush=True)
     print(f"\n{format_table(chosen, runs, list(labels.values()), options)}")
     print(compare.format_notes(runs))
     for run in runs:
