@@ -249,12 +249,12 @@ class Commits:
         record is stored (log.py); held in memory until rewritten (rewrites.py)."""
         stream.raise_if_retired()  # moved while a producer snapshot was written
         state = plan.state
-        producers = state.producers
-        changed = tuple((key, producers[key]) for key in state.producers_changed)
+        producers, changed = state.producers, state.producers_changed
+        changed_entries = tuple((key, producers[key]) for key in changed) if changed else ()
         record = Record(
             stream.config.path, stream.prefix, plan.start, state.tail, b"".join(plan.payload),
             positions_bytes(plan.append_ends), positions_bytes(plan.message_ends), state.closed,
-            state.closer, state.stream_seq, state.producer_snapshot, changed, time.time(),
+            state.closer, state.stream_seq, state.producer_snapshot, changed_entries, time.time(),
         )  # fmt: skip
         stream.creating = plan.start
         try:

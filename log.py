@@ -87,13 +87,13 @@ class Record(NamedTuple):
     stream's state after it.
 
     Not a segment: over many streams each append is a commit with a record of its
-    own, and encoding each as a segment was a large part of its commit (bench/README.md,
-    "Many streams"). The
-    segment it stands for is made when records are rewritten or replayed, and a
-    reader of a held record reads its payload at the positions of `index`. A tuple,
-    as a frozen dataclass costs several times a tuple to build; of nothing but bytes,
-    numbers, strings and tuples of them, so that the garbage collector can stop tracking
-    it (`Pieces.hold`: an array or a dict in each made every collection walk them).
+    own, and encoding each as a segment was a large part of its commit
+    (bench/README.md, "Many streams"). The segment it stands for is made when records
+    are rewritten or replayed, and a reader of a held record reads its payload at the
+    positions of `index`. A tuple, as a frozen dataclass costs several times a tuple to
+    build; of nothing but bytes, numbers, strings and tuples of them, so that the
+    garbage collector can stop tracking it (`Pieces.hold`: an array or a dict in each
+    made every collection walk them all).
     """
 
     path: str
@@ -137,10 +137,9 @@ def record_of(path: str, prefix: str, segment: bytes) -> Record:
     verify_payload(segment, index)
     return Record(
         path, prefix, index.start, index.end, segment[index.payload_position :],
-        positions_bytes(index.append_ends), positions_bytes(index.message_ends), state.closed,
-        state.closer,
-        state.stream_seq, state.producer_snapshot, tuple(state.producers.items()),
-        index.written_at,
+        positions_bytes(index.append_ends), positions_bytes(index.message_ends),
+        state.closed, state.closer, state.stream_seq, state.producer_snapshot,
+        tuple(state.producers.items()), index.written_at,
     )  # fmt: skip
 
 
