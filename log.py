@@ -39,6 +39,7 @@ import logging
 import os
 import struct
 import zlib
+from collections import deque
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -53,7 +54,6 @@ from segments import (
     SegmentIndex,
     StreamState,
     closer_of,
-    count_within,
     decode_header,
     positions_bytes,
     positions_of,
@@ -216,6 +216,19 @@ def _decode_segments(data: bytes) -> tuple[str, list[Record]]:
     return header["token"], records
 
 
+class Flush:
+    """The records of one log object to come, and the answer their commits share: the
+    object's number, or why it was not stored (one result for the flush, not one per
+    record: over many streams each record is a commit of its own)."""
+
+    __slots__ = ("records", "nbytes", "done")
+
+    def __init__(self) -> None:
+        self.records: list[Record] = []
+        self.nbytes = 0
+        self.done: AsyncResult = AsyncResult()
+
+
 class Log:
     """This member's log writer: one flush in flight, each one object.
 
@@ -229,7 +242,8 @@ class Log:
         self.linger = linger
         self.member: str | None = None
         self.seq = 0  # the last object stored
-        self.waiting: list[tuple[Record, AsyncResult]] = []
+        # Flushes to come, in order; each holds MAX_FLUSH_BYTES at most, or one record.
+        self.waiting: deque[Flush] = deque()
         self.flushing = False
         self.unreleased: dict[int, int] = {}  # seq -> its records not yet rewritten
         self.on_fenced: list[Callable[[], None]] = []
@@ -251,12 +265,16 @@ class Log:
         """
         if self.member is None:
             raise Fenced("this process serves no streams now; retry")
-        done = AsyncResult()
-        self.waiting.append((record, done))
+        waiting, size = self.waiting, len(record.payload)
+        if not waiting or waiting[-1].nbytes + size > MAX_FLUSH_BYTES:
+            waiting.append(Flush())
+        flush = waiting[-1]
+        flush.records.append(record)
+        flush.nbytes += size
         if not self.flushing:
             self.flushing = True
             self._flush_and_hand_on(first=True)
-        return done.get()
+        return flush.done.get()
 
     def _flush_and_hand_on(self, *, first: bool = False) -> None:
         try:
@@ -270,27 +288,25 @@ class Log:
                 self.flushing = False
 
     def _flush(self) -> None:
-        taken = count_within((len(record.payload) for record, _ in self.waiting), MAX_FLUSH_BYTES)
-        batch, self.waiting = self.waiting[:taken], self.waiting[taken:]
+        flush = self.waiting.popleft()
         member = self.member
         if member is None:
-            _fail(batch, Fenced("this process serves no streams now; retry"))
+            flush.done.set_exception(Fenced("this process serves no streams now; retry"))
             return
         seq = self.seq + 1
         token = os.urandom(16).hex()
         try:
-            self._store(member, seq, encode_log(token, [record for record, _ in batch]), token)
+            self._store(member, seq, encode_log(token, flush.records), token)
         except Exception as error:
-            _fail(batch, error)
+            flush.done.set_exception(error)
             return
         except BaseException:
-            _fail(batch, StorageUnavailable(FLUSHED_OR_NOT))
+            flush.done.set_exception(StorageUnavailable(FLUSHED_OR_NOT))
             self._give_up(member)
             raise
         self.seq = seq
-        self.unreleased[seq] = len(batch)
-        for _, done in batch:
-            done.set(seq)
+        self.unreleased[seq] = len(flush.records)
+        flush.done.set(seq)
 
     def _store(self, member: str, seq: int, data: bytes, token: str) -> None:
         """Create log object `seq`, learning whether a failed try stored it after all."""
@@ -328,8 +344,9 @@ class Log:
         if self.member != member:
             return
         self.member = None
-        waiting, self.waiting = self.waiting, []
-        _fail(waiting, Fenced("this process serves no streams now; retry"))
+        waiting, self.waiting = self.waiting, deque()
+        for flush in waiting:
+            flush.done.set_exception(Fenced("this process serves no streams now; retry"))
         for fenced in self.on_fenced:
             fenced()
 
@@ -427,9 +444,3 @@ def read_log(objects: ObjectStore, member: str, below: int) -> tuple[list[int], 
 
 def _numbers(objects: ObjectStore, member: str) -> list[int]:
     return [int(name) for name in objects.list(f"{LOG}/{member}") if name.isdigit()]
-
-
-def _fail(batch: list[tuple[Record, AsyncResult]], error: BaseException) -> None:
-    for _, done in batch:
-        if not done.ready():
-            done.set_exception(error)
