@@ -25,7 +25,6 @@ import time
 from array import array
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import gevent
@@ -36,12 +35,12 @@ from pieces import Pieces
 from rewrites import Rewrites
 from segments import (
     MAX_SEGMENT_BYTES,
+    POSITION_TYPE,
     ProducerEntry,
     StreamState,
     count_within,
     encode_producer_table,
     encode_segment,
-    positions,
     positions_bytes,
 )
 from streams import (
@@ -131,18 +130,24 @@ class Commits:
         linger = self._linger(stream)
         if linger:
             gevent.sleep(linger)
+        if self._logs(stream):  # served here alone: no other process takes turns at it
+            self._take_and_commit(stream, waited=False)
+            return
         with self._writer_turn(stream) as waited:
-            # Taken once it is our turn: appends that came while we waited join it.
-            batch, stream.pending = _take_batch(stream.pending)
-            try:
-                if waited:  # the process we waited for has most likely written at our tail
-                    self.pieces.refresh(stream, only_next=True)  # a lost create reads any more
-                self._commit(stream, batch)
-            except Exception as error:  # storage failed: nothing in the batch is acknowledged
-                _fail_unanswered(batch, error)
-            except BaseException:  # the appender committing was killed: the others must not hang
-                _fail_unanswered(batch, StorageUnavailable(INTERRUPTED_APPEND))
-                raise
+            self._take_and_commit(stream, waited)
+
+    def _take_and_commit(self, stream: Stream, waited: bool) -> None:
+        # Taken once it is our turn: appends that came while we waited join it.
+        batch, stream.pending = _take_batch(stream.pending)
+        try:
+            if waited:  # the process we waited for has most likely written at our tail
+                self.pieces.refresh(stream, only_next=True)  # a lost create reads any more
+            self._commit(stream, batch)
+        except Exception as error:  # storage failed: nothing in the batch is acknowledged
+            _fail_unanswered(batch, error)
+        except BaseException:  # the appender committing was killed: the others must not hang
+            _fail_unanswered(batch, StorageUnavailable(INTERRUPTED_APPEND))
+            raise
 
     def _linger(self, stream: Stream) -> float:
         """How long a batch waits for company before it is taken: a share of the last
@@ -163,7 +168,7 @@ class Commits:
         return stream.alone and self.log.active
 
     def _writer_turn(self, stream: Stream) -> AbstractContextManager[bool]:
-        if self.writer_locks is None or self._logs(stream):
+        if self.writer_locks is None:
             return nullcontext(False)
         return self.writer_locks.held(stream.prefix)
 
@@ -285,7 +290,7 @@ class Commits:
         return key
 
     def _plan(self, stream: Stream, batch: list[Pending]) -> Plan:
-        plan = Plan(state=stream.state.copy())
+        plan = Plan(stream.state.copy())
         for pending in batch:
             try:
                 plan.outcomes.append(self._plan_one(stream, plan, pending.request))
@@ -342,29 +347,30 @@ class Commits:
 
     def write_first(self, stream: Stream, payload: Payload, closed: bool) -> None:
         """The segment a create writes when it has a body or closes at once."""
-        plan = Plan(state=stream.state.copy())
+        plan = Plan(stream.state.copy())
         _add_payload(plan, payload)
         plan.state.closed = closed
         self._write_segment(stream, plan)
 
 
-@dataclass
 class Plan:
     """The outcome of validating one batch against the current state.
 
-    Ends are relative to `start`, the tail the batch was planned at.
+    Ends are relative to `start`, the tail the batch was planned at. A plain class:
+    over many streams every append plans a batch of its own, and a dataclass's
+    factories and `__post_init__` were a good part of that.
     """
 
-    state: StreamState
-    start: int = -1
-    payload: list[bytes] = field(default_factory=list)
-    append_ends: array = field(default_factory=positions)
-    message_ends: array = field(default_factory=positions)
-    outcomes: list[object] = field(default_factory=list)
-    writes: bool = False
+    __slots__ = ("state", "start", "payload", "append_ends", "message_ends", "outcomes", "writes")
 
-    def __post_init__(self) -> None:
-        self.start = self.state.tail
+    def __init__(self, state: StreamState) -> None:
+        self.state = state
+        self.start = state.tail
+        self.payload: list[bytes] = []
+        self.append_ends = array(POSITION_TYPE)
+        self.message_ends = array(POSITION_TYPE)
+        self.outcomes: list[object] = []
+        self.writes = False
 
 
 def _new_token() -> str:
