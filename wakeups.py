@@ -61,6 +61,8 @@ class Wakeups:
 
     def notify(self) -> None:
         """Wake every waiter; whoever waits after this joins fresh slots."""
+        if not self._slots:  # after most commits: no reader waits
+            return
         slots, self._slots = self._slots, {}
         for waiting in slots.values():
             _wake(*waiting)
