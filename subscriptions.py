@@ -1072,6 +1072,8 @@ class Subscriptions:
             gevent.spawn(self._read_directory_and_tell, info)
             return
         self.directory.look_again_later()
+        if not self.directory.entries:  # no subscription at all: nothing to tell
+            return
         for subscription_id in self.directory.linking(info.path):
             self._tell(subscription_id, info.path, Ack(info.incarnation, info.tail))
 
