@@ -118,23 +118,21 @@ class Commits:
         return pending.result.get()
 
     def _write_and_hand_on(self, stream: Stream) -> None:
+        """Commit the next batch; then the appends that came meanwhile get a writer."""
         try:
-            self._write_batch(stream)
+            linger = self._linger(stream)
+            if linger:
+                gevent.sleep(linger)
+            if self._logs(stream):  # served here alone: no other process takes turns at it
+                self._take_and_commit(stream, waited=False)
+            else:
+                with self._writer_turn(stream) as waited:
+                    self._take_and_commit(stream, waited)
         finally:
             if stream.pending:
                 gevent.spawn(self._write_and_hand_on, stream)
             else:
                 stream.writing = False
-
-    def _write_batch(self, stream: Stream) -> None:
-        linger = self._linger(stream)
-        if linger:
-            gevent.sleep(linger)
-        if self._logs(stream):  # served here alone: no other process takes turns at it
-            self._take_and_commit(stream, waited=False)
-            return
-        with self._writer_turn(stream) as waited:
-            self._take_and_commit(stream, waited)
 
     def _take_and_commit(self, stream: Stream, waited: bool) -> None:
         # Taken once it is our turn: appends that came while we waited join it.
@@ -165,7 +163,7 @@ class Commits:
 
     def _logs(self, stream: Stream) -> bool:
         """Whether the stream commits through the member's log: it is served here alone."""
-        return stream.alone and self.log.active
+        return stream.alone and self.log.member is not None  # the log is active
 
     def _writer_turn(self, stream: Stream) -> AbstractContextManager[bool]:
         if self.writer_locks is None:
@@ -220,6 +218,7 @@ class Commits:
             self.pieces.delete_later([previous_snapshot])
         if stream.state.tail == plan.start:  # else a refresh read this segment and went further
             stream.state = plan.state
+            stream.last_info = plan.info  # the info after it, as its last append's answer has
 
     def _create_segment(self, stream: Stream, plan: Plan, snapshot: str | None) -> None:
         """Create the segment at the tail: the fence between processes that write it."""
@@ -329,7 +328,8 @@ class Commits:
             state.closed = True
             state.closer = (producer.id, producer.epoch, producer.seq) if producer else None
         plan.writes = True
-        return AppendResult(_info(stream, state), producer=producer)
+        plan.info = _info(stream, state)
+        return AppendResult(plan.info, producer=producer)
 
     @staticmethod
     def _closed_outcome(stream: Stream, state: StreamState, request: AppendRequest) -> AppendResult:
@@ -361,7 +361,9 @@ class Plan:
     factories and `__post_init__` were a good part of that.
     """
 
-    __slots__ = ("state", "start", "payload", "append_ends", "message_ends", "outcomes", "writes")
+    __slots__ = (
+        "state", "start", "payload", "append_ends", "message_ends", "outcomes", "writes", "info",
+    )  # fmt: skip
 
     def __init__(self, state: StreamState) -> None:
         self.state = state
@@ -371,6 +373,7 @@ class Plan:
         self.message_ends = array(POSITION_TYPE)
         self.outcomes: list[object] = []
         self.writes = False
+        self.info: StreamInfo | None = None  # after its last append that writes
 
 
 def _new_token() -> str:
