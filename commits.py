@@ -163,7 +163,7 @@ class Commits:
 
     def _logs(self, stream: Stream) -> bool:
         """Whether the stream commits through the member's log: it is served here alone."""
-        return stream.alone and self.log.member is not None  # the log is active
+        return stream.alone and self.log.member is not None
 
     def _writer_turn(self, stream: Stream) -> AbstractContextManager[bool]:
         if self.writer_locks is None:

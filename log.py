@@ -249,10 +249,6 @@ class Log:
         self.on_fenced: list[Callable[[], None]] = []
         self._collecting = False
 
-    @property
-    def active(self) -> bool:
-        return self.member is not None
-
     def begin(self, member: str) -> None:
         """Write as `member` from now on, from its first number."""
         self.member, self.seq, self.unreleased = member, 0, {}

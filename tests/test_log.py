@@ -146,7 +146,7 @@ def test_a_fenced_member_acknowledges_nothing_more(make_member: MakeMember) -> N
     with pytest.raises(Fenced):
         append(first, "s", b"after;")
     assert given_up == [True]
-    assert not first.log.active
+    assert first.log.member is None
     append(second, "s", b"second;")
     assert read_all(second, "s") == b"before;second;"
 
