@@ -10,10 +10,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import fsspec
+import gevent
 import orjson
 import pytest
 from conftest import read_all
 
+import log
 from log import LENGTH, MAGIC_BEFORE, Fenced, Record, decode_log, log_key
 from objectstore import ObjectStore, StorageUnavailable
 from segments import encode_segment
@@ -149,6 +151,32 @@ def test_a_fenced_member_acknowledges_nothing_more(make_member: MakeMember) -> N
     assert first.log.member is None
     append(second, "s", b"second;")
     assert read_all(second, "s") == b"before;second;"
+
+
+def test_a_flush_holds_at_most_its_bound_or_one_record(
+    make_member: MakeMember, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Commits that come while a flush is stored gather into the next ones, each up to
+    MAX_FLUSH_BYTES of payload or a single record larger than that; every commit is
+    answered once its own object is stored."""
+    monkeypatch.setattr(log, "MAX_FLUSH_BYTES", 5)
+    store = make_member("m1")
+    sizes = {"a": 4, "b": 2, "c": 1, "d": 9, "e": 2}  # in the order they append
+    for path in sizes:
+        store.create(path, CreateRequest(TEXT))
+    appenders = [gevent.spawn(append, store, path, b"x" * size) for path, size in sizes.items()]
+    gevent.joinall(appenders, raise_error=True)
+
+    flushes = [
+        decode_log(store.objects.read(log_key("m1", int(name))))[1]
+        for name in names(store.objects, "log/m1")
+    ]
+    for records in flushes:
+        assert sum(len(record.payload) for record in records) <= 5 or len(records) == 1
+    assert max(map(len, flushes)) > 1  # commits did gather, so the bound was put to work
+    assert sorted(record.path for records in flushes for record in records) == sorted(sizes)
+    for path, size in sizes.items():
+        assert read_all(store, path) == b"x" * size
 
 
 def test_a_replay_cut_short_is_finished_by_the_next(
