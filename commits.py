@@ -260,12 +260,8 @@ class Commits:
             positions_bytes(plan.append_ends), positions_bytes(plan.message_ends), state.closed,
             state.closer, state.stream_seq, state.producer_snapshot, changed_entries, time.time(),
         )  # fmt: skip
-        stream.creating = plan.start
-        try:
-            seq = self.log.write(record)
-        finally:
-            stream.creating = None
-        self.rewrites.hold(stream, record, seq)
+        # No `stream.creating`: the record goes to the log, not to a segment a watch sees.
+        self.rewrites.hold(stream, record, self.log.write(record))
 
     def _snapshot_producers_if_due(self, stream: Stream, plan: Plan) -> str | None:
         """Write the producer table as a snapshot once the changes since the last one
