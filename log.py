@@ -246,12 +246,13 @@ class Log:
         self.waiting: deque[Flush] = deque()
         self.flushing = False
         self.unreleased: dict[int, int] = {}  # seq -> its records not yet rewritten
+        self.emptied: set[int] = set()  # objects all of whose records are, not yet deleted
         self.on_fenced: list[Callable[[], None]] = []
         self._collecting = False
 
     def begin(self, member: str) -> None:
         """Write as `member` from now on, from its first number."""
-        self.member, self.seq, self.unreleased = member, 0, {}
+        self.member, self.seq, self.unreleased, self.emptied = member, 0, {}, set()
 
     def write(self, record: Record) -> int:
         """Store `record` with the next flush; the number of the object that holds it.
@@ -367,16 +368,19 @@ class Log:
             left = self.unreleased.get(seq)
             if left is not None:
                 self.unreleased[seq] = left - 1
-        if not self._collecting and any(
-            left <= 0 and seq < self.seq for seq, left in self.unreleased.items()
-        ):
+                if left == 1:
+                    self.emptied.add(seq)
+        # Only the emptied: a rewrite round over many streams releases once per stream,
+        # and looking through every object each time grew with streams times objects.
+        if not self._collecting and any(seq < self.seq for seq in self.emptied):
             self._collecting = True
             gevent.spawn(self._collect)
 
     def _collect(self) -> None:
+        """Delete the emptied objects but the latest: a fence must find the number to take."""
         try:
             member = self.member
-            done = [seq for seq, left in self.unreleased.items() if left <= 0 and seq < self.seq]
+            done = [seq for seq in self.emptied if seq < self.seq]
             if member is None or not done:
                 return
             try:
@@ -386,6 +390,7 @@ class Log:
                 return
             for seq in done:
                 self.unreleased.pop(seq, None)
+                self.emptied.discard(seq)
         finally:
             self._collecting = False
 
@@ -395,7 +400,7 @@ class Log:
         if member is None or any(left > 0 for left in self.unreleased.values()):
             return
         self.objects.delete_many([log_key(member, seq) for seq in self.unreleased])
-        self.unreleased = {}
+        self.unreleased, self.emptied = {}, set()
 
 
 def fence(objects: ObjectStore, member: str) -> int:
