@@ -63,9 +63,9 @@ class Pieces:
         """Records a stream holds, in order: KeyError if one is not held."""
         return [Record._make(self._held[key]) for key in keys]
 
-    def let_go(self, key: str) -> Record | None:
-        fields = self._held.pop(key, None)
-        return None if fields is None else Record._make(fields)
+    def let_go(self, keys: list[str]) -> None:
+        for key in keys:
+            self._held.pop(key, None)
 
     def cached(self, key: str) -> bytes | None:
         """A piece's bytes from memory: held until rewritten, or cached."""

@@ -22,38 +22,63 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 import os
 import time
+from array import array
 
 import gevent
 from gevent.event import Event
 from gevent.pool import Pool
 
-from compaction import joined_ends
 from log import Log, Record
 from objectstore import StorageUnavailable
 from pieces import Pieces
-from segments import MAX_SEGMENT_BYTES, SegmentIndex, count_within, encode_segment
+from segments import (
+    MAX_SEGMENT_BYTES,
+    POSITION_SIZE,
+    POSITION_TYPE,
+    SegmentIndex,
+    count_within,
+    encode_segment,
+    positions_of,
+)
 from streams import Stream
 
 log = logging.getLogger("picomq.storage")
 
 CONCURRENT_REWRITES = 8  # object stores: a PUT each, in flight together
 RETRY_SECONDS = 1.0
+# A run's records are joined without a yield: this many keep other requests waiting a
+# few milliseconds at most (bench/README.md, "Rewrites over many streams").
+RUN_RECORDS = 4096
 
 
 def join(start: int, records: list[Record], token: str) -> tuple[bytes, SegmentIndex]:
     """The segment at `start` holding consecutive `records`, in order.
 
     The state is the last one's: it carries every producer entry changed since the
-    table's last snapshot, as each record does.
+    table's last snapshot, as each record does. The ends are joined in C-level passes,
+    with no index (nor yield) per record: over many streams nearly every append is a
+    record of its own, and that per-record work made a rewrite cost about half as
+    much as the appends it follows (bench/README.md, "Rewrites over many streams").
     """
     payload = b"".join(record.payload for record in records)
-    appends, messages = joined_ends(start, [record.index() for record in records])
+    shifts = [record.start - start for record in records]
+    appends = _shifted(shifts, [record.append_ends for record in records])
+    messages = _shifted(shifts, [record.message_ends for record in records])
     last = records[-1]
     return encode_segment(
         start, payload, appends, messages, last.state(), written_at=last.written_at, token=token
     )
+
+
+def _shifted(shifts: list[int], stored: list[bytes]) -> array:
+    """Records' stored ends (each relative to its record's start), each record's moved
+    by its shift: relative to the segment's start."""
+    counts = map(operator.floordiv, map(len, stored), itertools.repeat(POSITION_SIZE))
+    moves = itertools.chain.from_iterable(map(itertools.repeat, shifts, counts))
+    return array(POSITION_TYPE, map(operator.add, positions_of(b"".join(stored)), moves))
 
 
 class Rewrites:
@@ -126,9 +151,8 @@ class Rewrites:
     def _rewrite(self, stream: Stream) -> bool:
         """Rewrite the first records `stream` holds, MAX_SEGMENT_BYTES of them; False if
         it holds none of them any more (given up, or dropped meanwhile)."""
-        sizes = (size for _, size, _ in stream.logged.values())
-        run = list(itertools.islice(stream.logged, count_within(sizes, MAX_SEGMENT_BYTES)))
-        keys = [stream.logged_key(start) for start in run]
+        run = _first_run(stream)
+        keys = [stream.keys[start] for start in run]  # each held record's `logged_key`
         token = os.urandom(16).hex()
         data, index = join(run[0], self.pieces.held_run(keys), token)
         key = stream.segment_key(run[0])
@@ -144,10 +168,12 @@ class Rewrites:
             return False
         if not stream.logged or next(iter(stream.logged)) != run[0]:
             return False  # dropped meanwhile: deleted, or served elsewhere now
-        self._let_go(keys)
+        self.pieces.let_go(keys)
         self.pieces.cache.put(key, data)
         self.pieces.indexes.put(key, index, index.nbytes)
+        held = stream.logged_bytes
         self.log.release(stream.adopt_rewrite(run))
+        self.held_bytes -= held - stream.logged_bytes
         if not stream.logged:
             self.holding.pop(id(stream), None)
         return True
@@ -160,16 +186,11 @@ class Rewrites:
         if not stream.logged:
             return
         seqs = [seq for seq, _, _ in stream.logged.values()]
-        self._let_go(stream.drop_logged())
+        self.held_bytes -= stream.logged_bytes
+        self.pieces.let_go(stream.drop_logged())
         self.holding.pop(id(stream), None)
         if erased:
             self.log.release(seqs)
-
-    def _let_go(self, keys: list[str]) -> None:
-        for key in keys:
-            record = self.pieces.let_go(key)
-            if record is not None:
-                self.held_bytes -= record.nbytes
 
     def rewrite_all(self, seconds: float) -> bool:
         """Rewrite everything held, within `seconds`; True if nothing is held after."""
@@ -178,3 +199,13 @@ class Rewrites:
             pool = Pool(CONCURRENT_REWRITES)
             pool.map(self._rewrite_quietly, list(self.holding.values()))
         return not self.holding
+
+
+def _first_run(stream: Stream) -> list[int]:
+    """The starts of the first records `stream` holds: one at least, and at most
+    MAX_SEGMENT_BYTES and RUN_RECORDS of them (mostly all, which needs no adding up)."""
+    taken = RUN_RECORDS
+    if stream.logged_bytes > MAX_SEGMENT_BYTES:
+        sizes = (size for _, size, _ in stream.logged.values())
+        taken = min(taken, count_within(sizes, MAX_SEGMENT_BYTES))
+    return list(itertools.islice(stream.logged, taken))

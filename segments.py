@@ -39,6 +39,7 @@ MAGIC = b"PMQ1"
 PREFIX = struct.Struct(">4sII")
 HEADER_PROBE_BYTES = 64 * 1024
 POSITION_TYPE = "I"  # u32: a segment holds less than 4 GiB
+POSITION_SIZE = array(POSITION_TYPE).itemsize  # 4, as stored
 # A segment a commit, a rewrite or a replay writes holds at most this much data (or one
 # append, one record, if larger): well inside its u32 positions.
 MAX_SEGMENT_BYTES = 64 * 1024 * 1024

@@ -16,6 +16,7 @@ import pytest
 from conftest import read_all
 
 import log
+import rewrites
 from log import LENGTH, MAGIC_BEFORE, Fenced, Record, decode_log, log_key
 from objectstore import ObjectStore, StorageUnavailable
 from segments import encode_segment
@@ -74,6 +75,36 @@ def test_commits_are_read_from_memory_until_rewritten_into_segments(
     assert read_all(make_member("other"), "s") == b"0;1;2;"
     store.log._collect()
     assert names(store.objects, "log/m1") == ["000000000003"]  # the latest stays: the fence
+
+
+def test_a_rewrite_keeps_where_each_append_and_message_ends(make_member: MakeMember) -> None:
+    store = make_member("m1")
+    store.create("j", CreateRequest("application/json"))
+    for number in range(3):  # three records of one append, two messages each
+        messages = [b"%d" % number, b"[%d]" % number]
+        store.append("j", AppendRequest("application/json", Payload.from_messages(messages)))
+    assert store.rewrites.rewrite_all(10)
+
+    stream = store._open("j")
+    index, _ = store.pieces.read_piece(stream.segment_key(0), whole=True)
+    # Stored as "0,[0],1,[1],2,[2],": each message ends after its comma.
+    assert list(index.append_ends) == [6, 12, 18]
+    assert list(index.message_ends) == [2, 6, 8, 12, 14, 18]
+    assert read_all(store, "j", offset=8) == b"[[1],2,[2]]"
+
+
+def test_a_rewrite_joins_at_most_its_bound_of_records_at_once(
+    make_member: MakeMember, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(rewrites, "RUN_RECORDS", 2)
+    store = make_member("m1")
+    store.create("s", CreateRequest(TEXT))
+    for number in range(5):
+        append(store, "s", b"%d;" % number)
+    assert store.rewrites.rewrite_all(10)
+    prefix = store._open("s").prefix
+    assert len(names(store.objects, f"{prefix}/seg")) == 3  # 2 + 2 + 1 records
+    assert read_all(make_member("other"), "s") == b"0;1;2;3;4;"
 
 
 def test_a_dead_members_commits_are_replayed_once(make_member: MakeMember) -> None:
