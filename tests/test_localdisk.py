@@ -290,3 +290,26 @@ def test_an_object_whose_directory_was_just_removed_is_not_found(tmp_path: Path)
     assert isinstance(outcomes[0], FileNotFoundError)
     assert outcomes[1] is None
     assert (tmp_path / "live" / "0001").read_bytes() == b"kept"
+
+
+def test_many_objects_are_deleted_while_other_greenlets_run(tmp_path: Path) -> None:
+    objects = open_objects(str(tmp_path))
+    keys = [f"log/m/{number}" for number in range(200)]
+    (tmp_path / "log" / "m").mkdir(parents=True)
+    for key in keys:
+        (tmp_path / key).write_bytes(b"x")  # as a log's flushes leave them, without syncs
+    turns = []
+
+    def take_turns() -> None:
+        while True:
+            turns.append(None)
+            gevent.sleep(0)
+
+    ticker = gevent.spawn(take_turns)
+    gevent.sleep(0)
+    before = len(turns)
+    objects.delete_many([*keys, "log/m/never"])
+    ran = len(turns) - before
+    ticker.kill()
+    assert objects.list("log/m") == []
+    assert ran > 0, "deleting held the hub: no other greenlet ran meanwhile"
