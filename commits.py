@@ -120,10 +120,11 @@ class Commits:
     def _write_and_hand_on(self, stream: Stream) -> None:
         """Commit the next batch; then the appends that came meanwhile get a writer."""
         try:
-            linger = self._linger(stream)
+            logs = self._logs(stream)
+            linger = self._linger(stream, logs)
             if linger:
                 gevent.sleep(linger)
-            if self._logs(stream):  # served here alone: no other process takes turns at it
+            if logs:  # served here alone: no other process takes turns at it
                 self._take_and_commit(stream, waited=False)
             else:
                 with self._writer_turn(stream) as waited:
@@ -147,7 +148,7 @@ class Commits:
             _fail_unanswered(batch, StorageUnavailable(INTERRUPTED_APPEND))
             raise
 
-    def _linger(self, stream: Stream) -> float:
+    def _linger(self, stream: Stream, logs: bool) -> float:
         """How long a batch waits for company before it is taken: a share of the last
         write's time, so that the writers just answered send their next append into
         this batch rather than split into two cohorts taking turns (object stores bill
@@ -157,7 +158,7 @@ class Commits:
         if not fraction:
             return 0.0
         since = time.monotonic() - (stream.refreshed_at + stream.write_seconds)
-        if self._logs(stream) and since >= stream.write_seconds:
+        if logs and since >= stream.write_seconds:
             return 0.0
         return min(fraction * stream.write_seconds, MAX_LINGER_SECONDS)
 

@@ -106,14 +106,17 @@ class Directory:
         """The ids of the subscriptions that link `path`."""
         return [entry.id for entry in self.entries.values() if entry.links(path)]
 
-    def due(self) -> bool:
-        return self.stale or time.monotonic() - self._read_at >= REFRESH_SECONDS
-
-    def look_again_later(self) -> None:
-        """After a commit: read again once due, though no commit follows (one timer)."""
+    def due_after_commit(self) -> bool:
+        """Whether a read is due now. If not, one is made once it is, though no commit
+        follows (one timer): a single call, as each commit in the process makes one."""
+        now = time.monotonic()
+        if self.stale or now - self._read_at >= REFRESH_SECONDS:
+            return True
         if self._timer is None:
-            delay = max(0.0, self._read_at + REFRESH_SECONDS - time.monotonic())
-            self._timer = gevent.spawn_later(delay, self._timed_read)
+            self._timer = gevent.spawn_later(
+                self._read_at + REFRESH_SECONDS - now, self._timed_read
+            )
+        return False
 
     def _timed_read(self) -> None:
         self._timer = None

@@ -349,11 +349,6 @@ class StreamStore:
         self._streams.put(path, stream)
         self._streams.shrink(self.settings.cached_streams, self.settings.handle_cache_bytes)
 
-    def _count_handle(self, stream: Stream) -> None:
-        """Bring the handle cache's size up to date once a commit grew `stream`."""
-        if self._streams.recount(stream) > self.settings.handle_cache_bytes:
-            self._streams.shrink(self.settings.cached_streams, self.settings.handle_cache_bytes)
-
     def _expired(self, stream: Stream) -> bool:
         config, now = stream.config, time.time()
         if (
@@ -577,7 +572,8 @@ class StreamStore:
         self._announce(stream.info())
         for observe in self.commit_observers:
             observe(appends)
-        self._count_handle(stream)
+        if self._streams.recount(stream) > self.settings.handle_cache_bytes:  # it grew
+            self._streams.shrink(self.settings.cached_streams, self.settings.handle_cache_bytes)
         compaction.maybe_compact(self.pieces, stream)
         self._schedule_trim(stream)
 

@@ -1068,10 +1068,9 @@ class Subscriptions:
         links the stream its tail, at the subscription's member. It runs in the writer's
         greenlet, so it waits for nothing; for a stream no subscription links, it only
         looks in the directory (and reads that again when due)."""
-        if self.directory.due():
+        if self.directory.due_after_commit():
             gevent.spawn(self._read_directory_and_tell, info)
             return
-        self.directory.look_again_later()
         if not self.directory.entries:  # no subscription at all: nothing to tell
             return
         for subscription_id in self.directory.linking(info.path):
