@@ -24,6 +24,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from ipaddress import IPv4Address, IPv6Address
 from typing import TYPE_CHECKING
 
+import gevent
 import pytest
 import requests
 from conftest import make_server
@@ -35,7 +36,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
 from loopback_listener import LoopbackListener
 from processes import free_port
 
+import directory
 from auth import matches
+from directory import Directory, Entry
 from settings import Settings
 from subscriptions import WebhookSigner
 from webhooks import (
@@ -254,6 +257,36 @@ def tail_of(delivery: Delivery, path: str) -> str:
 def test_glob_segments(pattern: str, path: str, expected: bool) -> None:
     """A subscription's pattern is matched by auth's matcher, as a token's grants are."""
     assert matches(tuple(pattern.split("/")), tuple(path.split("/"))) is expected
+
+
+def test_the_directory_is_read_again_once_due_though_no_commit_follows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A member reads the directory again after its last commit: a subscription of which
+    no word reached it is learned then, not only at its next commit."""
+    monkeypatch.setattr(directory, "REFRESH_SECONDS", 0.2)
+    stored: dict[str, Entry] = {}
+    reads: list[None] = []
+
+    def load(known: dict[str, Entry]) -> dict[str, Entry]:
+        reads.append(None)
+        return dict(stored)
+
+    learned_late: list[Entry] = []
+    known = Directory(load)
+    known.on_learn = learned_late.extend
+    assert known.due_after_commit()  # never read
+    known.read()
+    for _ in range(3):  # three commits before the next read is due: one read for them
+        assert not known.due_after_commit()
+    entry = Entry("s1", "i1", None, None, frozenset({"a/b"}))
+    stored["s1"] = entry  # created through another member, and its word was lost
+    deadline = time.monotonic() + 10
+    while not learned_late and time.monotonic() < deadline:
+        gevent.sleep(0.05)
+    gevent.sleep(0.5)  # more than a refresh interval: no other read is due without commits
+    assert learned_late == [entry]
+    assert len(reads) == 2
 
 
 @pytest.mark.parametrize(
