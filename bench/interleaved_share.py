@@ -36,7 +36,7 @@ from pathlib import Path
 import ab
 import compare
 import servers
-from loads import STREAM_PREFIX, Options, Posts, Target, create_streams, run_wrk
+from loads import STREAM_PREFIX, Options, Posts, Target, create_streams, wrk_load
 
 WORKING_TREE = "."
 REWRITE_SECONDS = "60"  # the default 30 s, in each server's own running time
@@ -88,11 +88,10 @@ def started_with_streams(
 def slice_rate(target: Target, options: Options, streams: int) -> float:
     """Appends per second through one slice of wrk, with the server let run meanwhile."""
     with running(target.server):
-        summary = run_wrk(target, options, Posts.single(streams, options.connections))
-    succeeded = sum(count for status, count in summary["statuses"].items() if status[0] == "2")
-    if succeeded != summary["requests"]:
-        raise RuntimeError(f"failed appends in a slice: {summary['statuses']}")
-    return succeeded / (summary["duration_us"] / 1e6)
+        result = wrk_load(target, options, Posts.single(streams, options.connections))
+    if result.notes:
+        raise RuntimeError(f"failed appends in a slice: {result.notes}")
+    return result.figures["msgs_per_s"]
 
 
 def main() -> None:
