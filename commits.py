@@ -41,7 +41,6 @@ from segments import (
     count_within,
     encode_producer_table,
     encode_segment,
-    positions_bytes,
 )
 from streams import (
     PRODUCER_ENTRY_BYTES,
@@ -258,7 +257,7 @@ class Commits:
         changed_entries = tuple((key, producers[key]) for key in changed) if changed else ()
         record = Record(
             stream.config.path, stream.prefix, plan.start, state.tail, b"".join(plan.payload),
-            positions_bytes(plan.append_ends), positions_bytes(plan.message_ends), state.closed,
+            plan.append_ends, plan.message_ends, state.closed,
             state.closer, state.stream_seq, state.producer_snapshot, changed_entries, time.time(),
         )  # fmt: skip
         # No `stream.creating`: the record goes to the log, not to a segment a watch sees.

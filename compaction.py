@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import gevent
 
 from objectstore import StorageUnavailable
-from segments import CorruptSegment, SegmentIndex, encode_segment, positions
+from segments import CorruptSegment, SegmentIndex, encode_segment, extend_shifted, positions
 
 if TYPE_CHECKING:
     from pieces import Pieces
@@ -82,8 +82,8 @@ def joined_ends(start: int, indexes: list[SegmentIndex]) -> tuple[array, array]:
     appends, messages = positions(), positions()
     for index in indexes:
         shift = index.start - start
-        appends.extend(end + shift for end in index.append_ends)
-        messages.extend(end + shift for end in index.message_ends)
+        extend_shifted(appends, index.append_ends, shift)
+        extend_shifted(messages, index.message_ends, shift)
         gevent.sleep(0)
     return appends, messages
 

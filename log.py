@@ -39,8 +39,9 @@ import logging
 import os
 import struct
 import zlib
+from array import array
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 import gevent
@@ -51,7 +52,6 @@ from objectstore import ObjectStore, StorageUnavailable
 from segments import (
     CorruptSegment,
     ProducerEntry,
-    SegmentIndex,
     StreamState,
     closer_of,
     decode_header,
@@ -83,17 +83,13 @@ class Fenced(StorageUnavailable):
 
 class Record(NamedTuple):
     """One batch of one stream, as the commit planned it: its data, where its appends
-    and messages end (relative to `start`, as stored: `positions_bytes`), and the
-    stream's state after it.
+    and messages end (relative to `start`), and the stream's state after it.
 
     Not a segment: over many streams each append is a commit with a record of its
     own, and encoding each as a segment was a large part of its commit
-    (bench/README.md, "Many streams"). The segment it stands for is made when records
-    are rewritten or replayed, and a reader of a held record reads its payload at the
-    positions of `index`. A tuple, as a frozen dataclass costs several times a tuple to
-    build; of nothing but bytes, numbers, strings and tuples of them, so that the
-    garbage collector can stop tracking it (`Pieces.hold`: an array or a dict in each
-    made every collection walk them all).
+    (bench/README.md, "Many streams"). Once stored, a record joins its stream's held
+    run (runs.py), which becomes a segment when rewritten; a replay joins records the
+    same way. A tuple, as a frozen dataclass costs several times a tuple to build.
     """
 
     path: str
@@ -101,19 +97,14 @@ class Record(NamedTuple):
     start: int
     end: int
     payload: bytes
-    append_ends: bytes
-    message_ends: bytes
+    append_ends: array
+    message_ends: array
     closed: bool
     closer: tuple[str, int, int] | None
     stream_seq: str | None
     producer_snapshot: str | None
     producers: tuple[tuple[str, ProducerEntry], ...]  # (id, entry) changed since the snapshot
     written_at: float
-
-    @property
-    def nbytes(self) -> int:
-        """What it holds in memory, about: its payload and its ends."""
-        return len(self.payload) + len(self.append_ends) + len(self.message_ends)
 
     def state(self) -> StreamState:
         """The stream's state after it, as a segment's header gives it."""
@@ -123,13 +114,6 @@ class Record(NamedTuple):
             self.producer_snapshot, set(producers),
         )  # fmt: skip
 
-    def index(self) -> SegmentIndex:
-        """Where its appends and messages sit in `payload` (a held record's piece)."""
-        return SegmentIndex(
-            self.start, self.end, 0, positions_of(self.append_ends),
-            positions_of(self.message_ends), written_at=self.written_at,
-        )  # fmt: skip
-
 
 def record_of(path: str, prefix: str, segment: bytes) -> Record:
     """The record a whole segment holds; CorruptSegment if it fails its checks."""
@@ -137,7 +121,7 @@ def record_of(path: str, prefix: str, segment: bytes) -> Record:
     verify_payload(segment, index)
     return Record(
         path, prefix, index.start, index.end, segment[index.payload_position :],
-        positions_bytes(index.append_ends), positions_bytes(index.message_ends),
+        index.append_ends, index.message_ends,
         state.closed, state.closer, state.stream_seq, state.producer_snapshot,
         tuple(state.producers.items()), index.written_at,
     )  # fmt: skip
@@ -151,9 +135,13 @@ def encode_log(token: str, records: list[Record]) -> bytes:
     """One flush: a header naming every record, then each record's ends and payload,
     and one checksum over both (a torn object is skipped whole)."""
     # Each record's fields but its payload and ends, whose lengths stand for them.
-    fields = [[*r[:4], len(r.append_ends), len(r.message_ends), *r[7:]] for r in records]
+    ends = [(positions_bytes(r.append_ends), positions_bytes(r.message_ends)) for r in records]
+    pairs = list(zip(records, ends, strict=True))
+    fields = [[*r[:4], len(appends), len(messages), *r[7:]] for r, (appends, messages) in pairs]
     header = orjson.dumps({"token": token, "records": fields})
-    body = b"".join([part for r in records for part in (r.append_ends, r.message_ends, r.payload)])
+    body = b"".join(
+        [part for r, (appends, messages) in pairs for part in (appends, messages, r.payload)]
+    )
     checksum = zlib.crc32(body, zlib.crc32(header))
     return b"".join([MAGIC, HEADER.pack(len(header), checksum), header, body])
 
@@ -180,7 +168,8 @@ def decode_log(data: bytes) -> tuple[str, list[Record]]:
         payload, position = _bytes_at(data, position, end - start)
         closed, closer, stream_seq, snapshot, producers, written_at = state
         records.append(Record(
-            path, prefix, start, end, payload, append_ends, message_ends, closed,
+            path, prefix, start, end, payload, positions_of(append_ends),
+            positions_of(message_ends), closed,
             closer_of(closer), stream_seq, snapshot,
             tuple(producer_entries(dict(producers), written_at).items()),
             written_at,
@@ -361,7 +350,7 @@ class Log:
 
     # -- what rewrites free --------------------------------------------------------
 
-    def release(self, seqs: list[int]) -> None:
+    def release(self, seqs: Iterable[int]) -> None:
         """Records of these objects are rewritten (or their stream deleted): objects left
         with none are deleted, in the background."""
         for seq in seqs:

@@ -19,8 +19,8 @@ import time
 
 import gevent
 
-from log import Record
 from objectstore import ObjectCache, ObjectStore, StorageUnavailable
+from runs import Run
 from segments import (
     HEADER_PROBE_BYTES,
     CorruptSegment,
@@ -44,33 +44,28 @@ class Pieces:
         self.settings = settings
         self.cache: ObjectCache[bytes] = ObjectCache(settings.cache_bytes)
         self.indexes: ObjectCache[SegmentIndex] = ObjectCache(settings.index_cache_bytes)
-        # Records of the member's log not yet in their streams' segments, by their
-        # `Stream.logged_key`: never evicted, dropped once rewritten (rewrites.py).
-        # Such a piece is the record's payload alone, at its index's positions. Kept
-        # as plain tuples: the garbage collector stops tracking a tuple of atoms, but
-        # not a named one, and walking a hundred thousand held records made its
-        # collections a good part of a commit over many streams.
-        self._held: dict[str, tuple] = {}
+        # Runs of the member's log not yet in their streams' segments, by their
+        # `Stream.logged_key`: never evicted, let go once rewritten (rewrites.py).
+        self._held: dict[str, Run] = {}
 
-    def hold(self, key: str, record: Record) -> None:
-        self._held[key] = tuple(record)
+    def hold(self, key: str, run: Run) -> None:
+        self._held[key] = run
 
-    def held(self, key: str) -> Record | None:
-        fields = self._held.get(key)
-        return None if fields is None else Record._make(fields)
-
-    def held_run(self, keys: list[str]) -> list[Record]:
-        """Records a stream holds, in order: KeyError if one is not held."""
-        return [Record._make(self._held[key]) for key in keys]
+    def held(self, key: str) -> Run | None:
+        return self._held.get(key)
 
     def let_go(self, keys: list[str]) -> None:
         for key in keys:
             self._held.pop(key, None)
 
-    def cached(self, key: str) -> bytes | None:
-        """A piece's bytes from memory: held until rewritten, or cached."""
-        record = self.held(key)
-        return self.cache.get(key) if record is None else record.payload
+    def cached_range(self, key: str, position: int, length: int) -> bytes | None:
+        """`length` bytes of a piece from `position`, from memory: held until
+        rewritten, or cached."""
+        run = self._held.get(key)
+        if run is not None:
+            return run.bytes_at(position, length)
+        data = self.cache.get(key)
+        return None if data is None else data[position : position + length]
 
     def index(self, stream: Stream) -> None:
         """List a stream's segments and packs and read its state from the last one.
@@ -182,11 +177,9 @@ class Pieces:
         from storage, it may be another process's, just linked: made durable before
         anything in it is served.
         """
-        record = self.held(key)
-        if record is not None:
-            index = record.index()
-            self.indexes.put(key, index, index.nbytes)
-            return index, record.state()
+        run = self._held.get(key)
+        if run is not None:  # not cached: the run grows, and its index with it
+            return run.index(), run.state()
         data = self.cache.get(key)
         if data is None:
             data = (

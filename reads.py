@@ -159,14 +159,15 @@ class Reads:
     def _byte_chunks(self, slices: list[tuple[str, int, int, int]]) -> Iterator[bytes]:
         """Small objects come whole through the cache; large ones stream in chunks."""
         for key, position, length, size in slices:
-            data = self.pieces.cached(key)
+            data = self.pieces.cached_range(key, position, length)
             if data is None and size <= self.cache.capacity_bytes // 8:
-                data = self.objects.read(key)
-                self.cache.put(key, data)
+                whole = self.objects.read(key)
+                self.cache.put(key, whole)
+                data = whole[position : position + length]
             if data is None:
                 yield from self.objects.iter_range(key, position, length)
             else:
-                yield data[position : position + length]
+                yield data
 
     @staticmethod
     def _json_chunks(data: Iterator[bytes]) -> Iterator[bytes]:

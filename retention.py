@@ -50,7 +50,7 @@ def schedule_trim(pieces: Pieces, publish: PublishTrim, rewrite: Rewrite, stream
     config = stream.config
     if config.retention_age is None and config.retention_bytes is None:
         return
-    if len(stream.starts) >= 2:
+    if len(stream.starts) >= 2 or stream.runs:  # a look makes the runs pieces of their own
         trim = functools.partial(_trim, pieces, publish, rewrite, stream)
         stream.trim_later(pieces.settings.index_max_age / 10, trim)
 
@@ -61,7 +61,7 @@ def _trim(pieces: Pieces, publish: PublishTrim, rewrite: Rewrite, stream: Stream
         schedule_trim(pieces, publish, rewrite, stream)
         return
     try:
-        if stream.logged:
+        if stream.runs:
             rewrite(stream)
         cut, wake_at = _trim_point(pieces, stream)
         if cut > stream.earliest and publish(stream, cut):
@@ -82,7 +82,7 @@ def _trim_point(pieces: Pieces, stream: Stream) -> tuple[int, float | None]:
     starts = list(stream.starts)
     cut, wake_at = stream.earliest, None
     for start, following in zip(starts, starts[1:], strict=False):
-        if start in stream.logged:  # held in memory, not yet a segment: the tail stays
+        if stream.holds(start):  # held in memory, not yet a segment: the tail stays
             break
         piece, after = pieces.segment(stream, start), pieces.segment(stream, following)
         too_old = config.retention_age is not None and (

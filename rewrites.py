@@ -8,8 +8,9 @@ first one's start, exactly as a commit would have written them:
 
     streams/<key>/<incarnation>/seg/<start>     records [start, end) of the stream
 
-Until then a record is held in memory (`Pieces.hold`, under the stream's `logged_key`)
-and its payload serves its reads. A stream's records are rewritten once the oldest is
+Until then the records are held in memory, joined into runs as they come (runs.py:
+one piece each, held by `Pieces` under the stream's `logged_key`), and serve reads.
+A stream's records are rewritten once the oldest is
 `rewrite_seconds` old or they hold `rewrite_bytes`, all of them at once when the
 process holds more than `held_bytes`, and on demand: before a fork of the stream is
 made, and when the process stops. The segment is written create-only, as every
@@ -20,12 +21,9 @@ then gives up its identity (`Log.give_up`).
 
 from __future__ import annotations
 
-import itertools
 import logging
-import operator
 import os
 import time
-from array import array
 
 import gevent
 from gevent.event import Event
@@ -34,51 +32,13 @@ from gevent.pool import Pool
 from log import Log, Record
 from objectstore import StorageUnavailable
 from pieces import Pieces
-from segments import (
-    MAX_SEGMENT_BYTES,
-    POSITION_SIZE,
-    POSITION_TYPE,
-    SegmentIndex,
-    count_within,
-    encode_segment,
-    positions_of,
-)
+from runs import Run
 from streams import Stream
 
 log = logging.getLogger("picomq.storage")
 
 CONCURRENT_REWRITES = 8  # object stores: a PUT each, in flight together
 RETRY_SECONDS = 1.0
-# A run's records are joined without a yield: this many keep other requests waiting a
-# few milliseconds at most (bench/README.md, "Rewrites over many streams").
-RUN_RECORDS = 4096
-
-
-def join(start: int, records: list[Record], token: str) -> tuple[bytes, SegmentIndex]:
-    """The segment at `start` holding consecutive `records`, in order.
-
-    The state is the last one's: it carries every producer entry changed since the
-    table's last snapshot, as each record does. The ends are joined in C-level passes,
-    with no index (nor yield) per record: over many streams nearly every append is a
-    record of its own, and that per-record work made a rewrite cost about half as
-    much as the appends it follows (bench/README.md, "Rewrites over many streams").
-    """
-    payload = b"".join(record.payload for record in records)
-    shifts = [record.start - start for record in records]
-    appends = _shifted(shifts, [record.append_ends for record in records])
-    messages = _shifted(shifts, [record.message_ends for record in records])
-    last = records[-1]
-    return encode_segment(
-        start, payload, appends, messages, last.state(), written_at=last.written_at, token=token
-    )
-
-
-def _shifted(shifts: list[int], stored: list[bytes]) -> array:
-    """Records' stored ends (each relative to its record's start), each record's moved
-    by its shift: relative to the segment's start."""
-    counts = map(operator.floordiv, map(len, stored), itertools.repeat(POSITION_SIZE))
-    moves = itertools.chain.from_iterable(map(itertools.repeat, shifts, counts))
-    return array(POSITION_TYPE, map(operator.add, positions_of(b"".join(stored)), moves))
 
 
 class Rewrites:
@@ -96,10 +56,14 @@ class Rewrites:
 
     def hold(self, stream: Stream, record: Record, seq: int) -> None:
         """A commit is in log object `seq`: hold its record until rewritten."""
-        key = stream.logged_key(record.start)
-        self.pieces.hold(key, record)
-        size = record.nbytes
-        stream.add_logged(record.start, seq, size, key)
+        runs = stream.runs
+        if not runs or not runs[-1].takes(record):
+            run = Run(record.start)
+            key = stream.logged_key(run.start)
+            self.pieces.hold(key, run)
+            stream.add_run(run, key)
+        size = runs[-1].add(record, seq)
+        stream.logged_bytes += size
         self.holding[id(stream)] = stream
         self.held_bytes += size
         settings = self.settings
@@ -141,40 +105,39 @@ class Rewrites:
             gevent.sleep(RETRY_SECONDS)
 
     def rewrite(self, stream: Stream) -> None:
-        """Write the records `stream` holds now as one segment, and let go of them.
+        """Write the runs `stream` holds now as segments, and let go of them.
 
         Raises StorageUnavailable when storage fails (the records stay held)."""
-        with stream.rewriting:  # two at once would both write the first record's name
-            while stream.logged and self._rewrite(stream):
-                pass
+        with stream.rewriting:  # two at once would both write the first run's name
+            for run in list(stream.runs):  # not the runs begun meanwhile
+                if not self._rewrite(stream, run):
+                    break
 
-    def _rewrite(self, stream: Stream) -> bool:
-        """Rewrite the first records `stream` holds, MAX_SEGMENT_BYTES of them; False if
-        it holds none of them any more (given up, or dropped meanwhile)."""
-        run = _first_run(stream)
-        keys = [stream.keys[start] for start in run]  # each held record's `logged_key`
-        token = os.urandom(16).hex()
-        data, index = join(run[0], self.pieces.held_run(keys), token)
-        key = stream.segment_key(run[0])
+    def _rewrite(self, stream: Stream, run: Run) -> bool:
+        """Write `run`, the first `stream` holds, as its segment; False if it holds it no
+        more (given up, or dropped meanwhile)."""
+        run.closed = True  # the records logged while its segment is stored start the next
+        data, index = run.segment(os.urandom(16).hex())
+        key = stream.segment_key(run.start)
         try:
             self.objects.create(key, data, verified_on_load=True)
         except FileExistsError:
-            if self.pieces.read_piece(key)[0].token != token:
+            if self.pieces.read_piece(key)[0].token != index.token:
                 log.warning("%s was rewritten by another member: this one was fenced", key)
                 self.log.give_up()
                 return False
         except FileNotFoundError:  # the stream was deleted meanwhile (local disk)
             self.drop(stream, erased=True)
             return False
-        if not stream.logged or next(iter(stream.logged)) != run[0]:
+        if not stream.runs or stream.runs[0] is not run:
             return False  # dropped meanwhile: deleted, or served elsewhere now
-        self.pieces.let_go(keys)
+        self.pieces.let_go([stream.logged_key(run.start)])
         self.pieces.cache.put(key, data)
         self.pieces.indexes.put(key, index, index.nbytes)
-        held = stream.logged_bytes
-        self.log.release(stream.adopt_rewrite(run))
-        self.held_bytes -= held - stream.logged_bytes
-        if not stream.logged:
+        stream.adopt_rewrite(run)
+        self.held_bytes -= run.nbytes
+        self.log.release(run.seqs)
+        if not stream.runs:
             self.holding.pop(id(stream), None)
         return True
 
@@ -183,14 +146,15 @@ class Rewrites:
         Erased, the log may let go of them; served elsewhere, the log keeps them for
         whoever replays it (whoever serves the stream now did, unless storage lost
         the partition's claims)."""
-        if not stream.logged:
+        if not stream.runs:
             return
-        seqs = [seq for seq, _, _ in stream.logged.values()]
         self.held_bytes -= stream.logged_bytes
-        self.pieces.let_go(stream.drop_logged())
+        runs = stream.drop_runs()
+        self.pieces.let_go([stream.logged_key(run.start) for run in runs])
         self.holding.pop(id(stream), None)
         if erased:
-            self.log.release(seqs)
+            for run in runs:
+                self.log.release(run.seqs)
 
     def rewrite_all(self, seconds: float) -> bool:
         """Rewrite everything held, within `seconds`; True if nothing is held after."""
@@ -199,13 +163,3 @@ class Rewrites:
             pool = Pool(CONCURRENT_REWRITES)
             pool.map(self._rewrite_quietly, list(self.holding.values()))
         return not self.holding
-
-
-def _first_run(stream: Stream) -> list[int]:
-    """The starts of the first records `stream` holds: one at least, and at most
-    MAX_SEGMENT_BYTES and RUN_RECORDS of them (mostly all, which needs no adding up)."""
-    taken = RUN_RECORDS
-    if stream.logged_bytes > MAX_SEGMENT_BYTES:
-        sizes = (size for _, size, _ in stream.logged.values())
-        taken = min(taken, count_within(sizes, MAX_SEGMENT_BYTES))
-    return list(itertools.islice(stream.logged, taken))

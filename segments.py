@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import base64
 import bisect
+import itertools
+import operator
 import struct
 import sys
 import time
@@ -124,6 +126,14 @@ def positions_of(data: bytes) -> array:
     if not LITTLE_ENDIAN:
         values.byteswap()
     return values
+
+
+def extend_shifted(ends: array, more: array, shift: int) -> None:
+    """Add `more` ends, each moved by `shift`, in one C-level pass."""
+    if shift:
+        ends.extend(map(operator.add, more, itertools.repeat(shift)))
+    else:
+        ends.extend(more)
 
 
 @dataclass(frozen=True)

@@ -68,8 +68,9 @@ from log import Log, Record, fence, log_key, read_log
 from objectstore import ObjectStore, StorageUnavailable
 from pieces import Pieces
 from reads import Reads
-from rewrites import Rewrites, join
-from segments import MAX_SEGMENT_BYTES, StreamState, count_within
+from rewrites import Rewrites
+from runs import runs_of
+from segments import StreamState
 from streams import (
     LEGACY_HASHED_PREFIX,
     MAX_FORK_DEPTH,
@@ -709,11 +710,9 @@ class StreamStore:
             log.error("log records of %s start at %d, its segments end at %d",
                       stream.config.path, missing[0].start, stream.state.tail)  # fmt: skip
             return
-        while missing:
-            taken = count_within((len(record.payload) for record in missing), MAX_SEGMENT_BYTES)
-            run, missing = missing[:taken], missing[taken:]
-            data, _ = join(run[0].start, run, os.urandom(16).hex())
-            self.objects.create(stream.segment_key(run[0].start), data, verified_on_load=True)
+        for run in runs_of(missing):
+            data, _ = run.segment(os.urandom(16).hex())
+            self.objects.create(stream.segment_key(run.start), data, verified_on_load=True)
 
     def close(self) -> None:
         """A clean stop: what the log holds is rewritten, and then the log goes. Whatever

@@ -33,6 +33,8 @@ from wakeups import Wakeups
 if TYPE_CHECKING:
     from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
 
+    from runs import Run
+
 OFFSET_DIGITS = 20
 MAX_KEY_LENGTH = 200
 STREAM_KEYS_REMEMBERED = 1024  # a request line caps a path at 8 KiB: 8 MiB at most
@@ -358,11 +360,11 @@ class Stream:
     base: int
     source: Stream | None
     starts: list[int] = field(default_factory=list)
-    # Pieces not at their segment's name: packs, and records of the log held in memory.
+    # Pieces not at their segment's name: packs, and runs of the log held in memory.
     keys: dict[int, str] = field(default_factory=dict)
-    # Records in the member's log not yet rewritten into segments (rewrites.py), in
-    # order: start -> (log object number, bytes, when logged: time.monotonic()).
-    logged: dict[int, tuple[int, int, float]] = field(default_factory=dict)
+    # Runs of records in the member's log not yet rewritten into segments (runs.py),
+    # in order, and their bytes.
+    runs: list[Run] = field(default_factory=list)
     logged_bytes: int = 0
     rewriting: Semaphore = field(default_factory=Semaphore)  # one rewrite at a time
     indexed_at: float = 0.0
@@ -495,39 +497,36 @@ class Stream:
         self.erased = True
         self.notify()
 
-    def add_logged(self, start: int, seq: int, size: int, key: str) -> None:
-        """A commit stored in log object `seq`: its piece is held in memory at `key`."""
-        self.logged[start] = (seq, size, time.monotonic())
-        self.logged_bytes += size
-        self.keys[start] = key
-        position = bisect.bisect_left(self.starts, start)
-        if position == len(self.starts) or self.starts[position] != start:
-            self.starts.insert(position, start)
+    def add_run(self, run: Run, key: str) -> None:
+        """Records of the log begin at `run.start`: a piece held in memory at `key`."""
+        self.runs.append(run)
+        self.keys[run.start] = key
+        position = bisect.bisect_left(self.starts, run.start)
+        if position == len(self.starts) or self.starts[position] != run.start:
+            self.starts.insert(position, run.start)
 
     def logged_since(self) -> float:
         """When the oldest record not yet rewritten was logged (time.monotonic)."""
-        return next(iter(self.logged.values()))[2] if self.logged else float("inf")
+        return self.runs[0].since if self.runs else float("inf")
 
-    def adopt_rewrite(self, run: list[int]) -> list[int]:
-        """The records at `run` are one segment now, at `run[0]`: swap it in for them.
-        Returns the log objects they came from, once each record."""
-        replaced = set(run[1:])
-        self.starts = [start for start in self.starts if start not in replaced]
-        seqs = []
-        for start in run:
-            seq, size, _ = self.logged.pop(start)
-            self.keys.pop(start, None)
-            self.logged_bytes -= size
-            seqs.append(seq)
+    def holds(self, start: int) -> bool:
+        """Whether the piece at `start` is held in memory, not yet a segment."""
+        return bool(self.runs) and start >= self.runs[0].start
+
+    def adopt_rewrite(self, run: Run) -> None:
+        """The first run is a segment now, at its start: swap it in."""
+        self.runs.remove(run)
+        self.keys.pop(run.start, None)
+        self.logged_bytes -= run.nbytes
         self.unpacked += 1
-        return seqs
 
-    def drop_logged(self) -> list[str]:
-        """The stream is deleted or served elsewhere now: forget its records (the log
-        keeps them until they are replayed or released). The keys they were held at."""
-        held = [self.keys.pop(start) for start in self.logged]
-        self.logged, self.logged_bytes = {}, 0
-        return held
+    def drop_runs(self) -> list[Run]:
+        """The stream is deleted or served elsewhere now: forget its runs (the log keeps
+        their records until they are replayed or released)."""
+        runs, self.runs, self.logged_bytes = self.runs, [], 0
+        for run in runs:
+            self.keys.pop(run.start, None)
+        return runs
 
     def adopt_index(
         self, starts: list[int], keys: dict[int, str], state: StreamState, earliest: int
@@ -535,10 +534,10 @@ class Stream:
         """A listing's pieces and the state of the last, swapped in at once (pieces.py).
         Records held in memory stay: no listing shows them."""
         self.unpacked = len(starts) - len(keys)
-        for start in self.logged:
-            keys[start] = self.logged_key(start)
-            if not starts or starts[-1] < start:
-                starts.append(start)
+        for run in self.runs:
+            keys[run.start] = self.logged_key(run.start)
+            if not starts or starts[-1] < run.start:
+                starts.append(run.start)
         self.starts, self.keys = starts, keys
         self.state, self.earliest = state, earliest
         self.indexed_at = time.monotonic()
@@ -638,7 +637,7 @@ class Handles:
     def shrink(self, most_handles: int, most_bytes: int) -> None:
         while len(self._handles) > most_handles or self.size_bytes > most_bytes:
             oldest_path, oldest = next(iter(self._handles.items()))
-            if oldest.waiters or oldest.writing or oldest.logged:
+            if oldest.waiters or oldest.writing or oldest.runs:
                 self._handles.move_to_end(oldest_path)
                 return
             self.discard(oldest_path)

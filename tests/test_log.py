@@ -16,7 +16,7 @@ import pytest
 from conftest import read_all
 
 import log
-import rewrites
+import runs
 from log import LENGTH, MAGIC_BEFORE, Fenced, Record, decode_log, log_key
 from objectstore import ObjectStore, StorageUnavailable
 from segments import encode_segment
@@ -93,18 +93,46 @@ def test_a_rewrite_keeps_where_each_append_and_message_ends(make_member: MakeMem
     assert read_all(store, "j", offset=8) == b"[[1],2,[2]]"
 
 
-def test_a_rewrite_joins_at_most_its_bound_of_records_at_once(
+def test_a_run_is_closed_at_its_segment_bound(
     make_member: MakeMember, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(rewrites, "RUN_RECORDS", 2)
+    monkeypatch.setattr(runs, "MAX_SEGMENT_BYTES", 4)
     store = make_member("m1")
     store.create("s", CreateRequest(TEXT))
     for number in range(5):
         append(store, "s", b"%d;" % number)
+    assert [run.end - run.start for run in store._open("s").runs] == [4, 4, 2]
+    assert read_all(store, "s", offset=6) == b"3;4;"
     assert store.rewrites.rewrite_all(10)
     prefix = store._open("s").prefix
     assert len(names(store.objects, f"{prefix}/seg")) == 3  # 2 + 2 + 1 records
     assert read_all(make_member("other"), "s") == b"0;1;2;3;4;"
+
+
+def test_commits_made_while_a_run_is_rewritten_start_the_next_run(
+    make_member: MakeMember,
+) -> None:
+    store = make_member("m1")
+    store.create("s", CreateRequest(TEXT))
+    append(store, "s", b"0;")
+    append(store, "s", b"1;")
+    stream = store._open("s")
+    create = store.objects.create
+
+    def create_while_appending(key: str, data: bytes, **options: bool) -> None:
+        if "/seg/" in key:  # the rewrite's segment: a commit comes while it is stored
+            gevent.spawn(append, store, "s", b"2;").get()
+        create(key, data, **options)
+
+    store.objects.create = create_while_appending  # type: ignore[method-assign]
+    store.rewrites.rewrite(stream)
+    store.objects.create = create  # type: ignore[method-assign]
+
+    assert store.pieces.read_piece(stream.segment_key(0))[0].end == 4
+    assert [(run.start, run.end) for run in stream.runs] == [(4, 6)]
+    assert read_all(store, "s") == b"0;1;2;"
+    assert store.rewrites.rewrite_all(10)
+    assert read_all(make_member("other"), "s") == b"0;1;2;"
 
 
 def test_a_dead_members_commits_are_replayed_once(make_member: MakeMember) -> None:
@@ -128,11 +156,10 @@ def test_a_dead_members_commits_are_replayed_once(make_member: MakeMember) -> No
 
 def log_of_the_release_before(records: list[Record]) -> bytes:
     """A log object as the release before wrote it: each record a whole segment."""
-    indexes = [record.index() for record in records]
     segments = [
-        encode_segment(r.start, r.payload, index.append_ends, index.message_ends, r.state(),
+        encode_segment(r.start, r.payload, r.append_ends, r.message_ends, r.state(),
                        written_at=r.written_at)[0]
-        for r, index in zip(records, indexes, strict=True)
+        for r in records
     ]  # fmt: skip
     listed = [
         [r.path, r.prefix, r.start, len(data)] for r, data in zip(records, segments, strict=True)
