@@ -93,6 +93,21 @@ def test_a_rewrite_keeps_where_each_append_and_message_ends(make_member: MakeMem
     assert read_all(store, "j", offset=8) == b"[[1],2,[2]]"
 
 
+def test_a_held_run_is_read_as_it_grows(make_member: MakeMember) -> None:
+    store = make_member("m1")
+    store.create("j", CreateRequest("application/json"))
+
+    def read_once(offset: int | None = None) -> bytes:
+        return b"".join(store.read("j", offset).chunks)
+
+    store.append("j", AppendRequest("application/json", Payload.from_messages([b"1"])))
+    assert read_once() == b"[1]"  # the run's index, as it stood then
+    store.append("j", AppendRequest("application/json", Payload.from_messages([b"2", b"3"])))
+    assert [run.start for run in store._open("j").runs] == [0]  # one run, grown
+    assert read_once() == b"[1,2,3]"
+    assert read_once(offset=4) == b"[3]"  # where each message of the second record ends
+
+
 def test_a_run_is_closed_at_its_segment_bound(
     make_member: MakeMember, monkeypatch: pytest.MonkeyPatch
 ) -> None:
