@@ -3,9 +3,9 @@
 A member holds what it logged of a stream until the rewrite (rewrites.py) writes it
 as one of the stream's segments. The records are joined as they come: over many
 streams each append is a record of its own, and keeping each one a piece of its own
-until the rewrite joined them cost a record about a quarter of its append again
-(docs/shared-log.md, "Held runs"). A run is one piece: readers read its payload at
-its ends, and the rewrite encodes it as it is.
+only for the rewrite to join them made every record pay twice for being one
+(docs/shared-log.md, "Held runs"; bench/README.md has the figures). A run is one
+piece: readers read its payload at its ends, and the rewrite encodes it as it is.
 """
 
 from __future__ import annotations
