@@ -58,15 +58,6 @@ class Pieces:
         for key in keys:
             self._held.pop(key, None)
 
-    def cached_range(self, key: str, position: int, length: int) -> bytes | None:
-        """`length` bytes of a piece from `position`, from memory: held until
-        rewritten, or cached."""
-        run = self._held.get(key)
-        if run is not None:
-            return run.bytes_at(position, length)
-        data = self.cache.get(key)
-        return None if data is None else data[position : position + length]
-
     def index(self, stream: Stream) -> None:
         """List a stream's segments and packs and read its state from the last one.
 

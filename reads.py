@@ -17,7 +17,12 @@ from collections.abc import Iterator
 
 from objectstore import StorageUnavailable
 from pieces import Pieces
+from runs import Run
 from streams import InvalidRequest, OffsetTrimmed, ReadResult, Stream
+
+# Where a read's bytes are: an object's key, or a run held in memory; the position and
+# length of the bytes in it, and its size.
+Slice = tuple[str | Run, int, int, int]
 
 
 class Reads:
@@ -60,9 +65,7 @@ class Reads:
         chunks = self._json_chunks(data) if stream.is_json else data
         return ReadResult(stream.info(), start, end, chunks, current and end == tail)
 
-    def _plan_read(
-        self, stream: Stream, start: int, limit: int
-    ) -> tuple[int, list[tuple[str, int, int, int]]]:
+    def _plan_read(self, stream: Stream, start: int, limit: int) -> tuple[int, list[Slice]]:
         """Where a read from `start` up to `limit` ends, and the pieces' slices it takes.
 
         Reading the pieces' indexes here is where a stream that another process deleted
@@ -128,9 +131,11 @@ class Reads:
                 return found
         return start
 
-    def _slices(self, stream: Stream, start: int, end: int) -> list[tuple[str, int, int, int]]:
-        """(object key, byte position, length) pieces that hold [start, end)."""
-        pieces: list[tuple[str, int, int, int]] = []
+    def _slices(self, stream: Stream, start: int, end: int) -> list[Slice]:
+        """(object key, byte position, length, object size) of the pieces that hold
+        [start, end). A run held in memory is named by itself, not its key: a rewrite
+        may let go of it before the answer that reads it is sent."""
+        pieces: list[Slice] = []
         if stream.source is not None and start < stream.base:
             pieces += self._slices(stream.source, start, min(end, stream.base))
             start = stream.base
@@ -152,22 +157,24 @@ class Reads:
             key = stream.piece_key(index.start)
             byte_position = index.payload_position + start - index.start
             size = index.payload_position + index.end - index.start
-            pieces.append((key, byte_position, length, size))
+            pieces.append((self.pieces.held(key) or key, byte_position, length, size))
             start += length
         return pieces
 
-    def _byte_chunks(self, slices: list[tuple[str, int, int, int]]) -> Iterator[bytes]:
+    def _byte_chunks(self, slices: list[Slice]) -> Iterator[bytes]:
         """Small objects come whole through the cache; large ones stream in chunks."""
         for key, position, length, size in slices:
-            data = self.pieces.cached_range(key, position, length)
+            if isinstance(key, Run):
+                yield key.bytes_at(position, length)
+                continue
+            data = self.cache.get(key)
             if data is None and size <= self.cache.capacity_bytes // 8:
-                whole = self.objects.read(key)
-                self.cache.put(key, whole)
-                data = whole[position : position + length]
+                data = self.objects.read(key)
+                self.cache.put(key, data)
             if data is None:
                 yield from self.objects.iter_range(key, position, length)
             else:
-                yield data
+                yield data[position : position + length]
 
     @staticmethod
     def _json_chunks(data: Iterator[bytes]) -> Iterator[bytes]:

@@ -108,6 +108,17 @@ def test_a_held_run_is_read_as_it_grows(make_member: MakeMember) -> None:
     assert read_once(offset=4) == b"[3]"  # where each message of the second record ends
 
 
+def test_a_read_begun_before_a_rewrite_ends_after_it(make_member: MakeMember) -> None:
+    store = make_member("m1")
+    store.create("s", CreateRequest(TEXT))
+    append(store, "s", b"0;")
+    assert store.rewrites.rewrite_all(10)  # a segment at 0
+    append(store, "s", b"1;")  # held, in a run at 2
+    result = store.read("s", 0)  # the segment's bytes now, the run's as the answer is sent
+    assert store.rewrites.rewrite_all(10)
+    assert b"".join(result.chunks) == b"0;1;"
+
+
 def test_a_run_is_closed_at_its_segment_bound(
     make_member: MakeMember, monkeypatch: pytest.MonkeyPatch
 ) -> None:
