@@ -5,14 +5,20 @@ A create is `pipe_file(mode="create")`, which s3fs sends as a PUT with
 Every call runs in gevent's thread pool, because s3fs's synchronous calls fail on a
 gevent-patched thread (their event loop runs in a thread of their own). An object is
 durable once the PUT is acknowledged. There are no directories to watch, so readers
-poll (waits.py), and each look is a request.
+poll (waits.py), and each look is a request. A bucket that does not exist is storage
+that is not there (StorageUnavailable, a 503), not an object that is missing.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import fsspec
 
-from objectstore import ObjectStore, run_in_threadpool
+from objectstore import ObjectStore, StorageUnavailable, run_in_threadpool
+
+T = TypeVar("T")
 
 # Fail over to a 503 within seconds when the endpoint is down, instead of botocore's
 # default minute of retries; explicit s3fs options (FSSPEC_S3_*) still take precedence.
@@ -41,6 +47,16 @@ class Bucket(ObjectStore):
             filesystem.retries = S3_RETRIES  # s3fs's own retry loop, on top of botocore's
         self.filesystem = filesystem
         self.root = root.rstrip("/")
+
+    def _guarded(self, function: Callable[..., T], *args: object, **kwargs: object) -> T:
+        """As every backend's, but a missing bucket is storage that is not there, not a
+        missing object: s3fs raises FileNotFoundError for both."""
+        try:
+            return super()._guarded(function, *args, **kwargs)
+        except FileNotFoundError as error:
+            if _bucket_is_missing(error):
+                raise StorageUnavailable(f"the bucket does not exist: {error}") from error
+            raise
 
     def create(self, key: str, data: bytes, *, verified_on_load: bool = False) -> None:
         self._guarded(self.filesystem.pipe_file, self.path(key), data, mode="create")
@@ -137,3 +153,11 @@ def _read(filesystem: fsspec.AbstractFileSystem, path: str, start: int, end: int
         if "range" not in str(error).lower():
             raise
         return filesystem.cat_file(path)[start:end]
+
+
+def _bucket_is_missing(error: FileNotFoundError) -> bool:
+    """Whether S3 said NoSuchBucket. A HEAD's answer has no body, so a HEAD of an object
+    in a missing bucket stays a missing object."""
+    cause = error.__cause__ or error.__context__
+    response = getattr(cause, "response", None)
+    return isinstance(response, dict) and response.get("Error", {}).get("Code") == "NoSuchBucket"
