@@ -136,7 +136,7 @@ class StreamStore:
         self.commits = Commits(self.pieces, writer_locks, self._committed, self.rewrites)
         self.reads = Reads(self.pieces)
         self.waits = Waits(self.pieces)
-        self._streams = Handles()
+        self._streams = Handles(self.settings.cached_streams, self.settings.handle_cache_bytes)
         self.lifecycle = Lifecycle(objects, self._streams, self._erased)
         self._building: dict[tuple[str, object], AsyncResult] = {}  # handles being loaded
         self.listeners: list[Callable[[StreamInfo], None]] = []
@@ -278,7 +278,7 @@ class StreamStore:
         stream.depth = source.depth + 1 if source is not None else 0
         stream.last_access = config.created_at
         self._index(stream)
-        self._remember(path, stream)
+        self._streams.put(path, stream)
         return stream
 
     def _fresh(self, stream: Stream) -> Stream:
@@ -345,10 +345,6 @@ class StreamStore:
         retention.schedule_trim(
             self.pieces, self.lifecycle.publish_trim, self.rewrites.rewrite, stream
         )
-
-    def _remember(self, path: str, stream: Stream) -> None:
-        self._streams.put(path, stream)
-        self._streams.shrink(self.settings.cached_streams, self.settings.handle_cache_bytes)
 
     def _expired(self, stream: Stream) -> bool:
         config, now = stream.config, time.time()
@@ -427,7 +423,7 @@ class StreamStore:
         stream.alone = True
         stream.last_access = stream.config.created_at
         stream.checked_at = stream.indexed_at = stream.refreshed_at = time.monotonic()
-        self._remember(path, stream)
+        self._streams.put(path, stream)
 
     def _held_by_another_path(self, key: str, path: str) -> bool:
         """Whether folder `key` holds a meta.json that is not a stream of `path`: an
@@ -573,8 +569,7 @@ class StreamStore:
         self._announce(stream.info())
         for observe in self.commit_observers:
             observe(appends)
-        if self._streams.recount(stream) > self.settings.handle_cache_bytes:  # it grew
-            self._streams.shrink(self.settings.cached_streams, self.settings.handle_cache_bytes)
+        self._streams.recount(stream)
         compaction.maybe_compact(self.pieces, stream)
         self._schedule_trim(stream)
 

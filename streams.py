@@ -594,9 +594,10 @@ class Handles:
     the log not yet rewritten (rewrites.py): storage does not have them yet.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, most_handles: int, most_bytes: int) -> None:
         self._handles: OrderedDict[str, Stream] = OrderedDict()
         self.size_bytes = 0
+        self.most_handles, self.most_bytes = most_handles, most_bytes
 
     def __len__(self) -> int:
         return len(self._handles)
@@ -614,10 +615,12 @@ class Handles:
         return list(self._handles)
 
     def put(self, path: str, stream: Stream) -> None:
+        """Keep `stream`'s handle, forgetting the oldest ones past the bounds."""
         self.discard(path)
         self._handles[path] = stream
         stream.counted_bytes = 0
-        self.recount(stream)
+        self._count(stream)
+        self._shrink()
 
     def discard(self, path: str, stream: Stream | None = None) -> None:
         """Forget the handle of `path` (only if it is `stream`, when given)."""
@@ -626,7 +629,13 @@ class Handles:
             del self._handles[path]
             self.size_bytes -= held.counted_bytes
 
-    def recount(self, stream: Stream) -> int:
+    def recount(self, stream: Stream) -> None:
+        """After a commit: count `stream` anew, and forget the oldest handles if it
+        grew the cache past its bytes."""
+        if self._count(stream) > self.most_bytes:
+            self._shrink()
+
+    def _count(self, stream: Stream) -> int:
         """Count `stream`'s footprint anew, if it is held; the cache's size in bytes."""
         if self._handles.get(stream.config.path) is stream:
             footprint = stream.footprint()
@@ -634,8 +643,8 @@ class Handles:
             stream.counted_bytes = footprint
         return self.size_bytes
 
-    def shrink(self, most_handles: int, most_bytes: int) -> None:
-        while len(self._handles) > most_handles or self.size_bytes > most_bytes:
+    def _shrink(self) -> None:
+        while len(self._handles) > self.most_handles or self.size_bytes > self.most_bytes:
             oldest_path, oldest = next(iter(self._handles.items()))
             if oldest.waiters or oldest.writing or oldest.runs:
                 self._handles.move_to_end(oldest_path)
