@@ -62,9 +62,9 @@ class Rewrites:
             key = stream.logged_key(run.start)
             self.pieces.hold(key, run)
             stream.add_run(run, key)
+            self.holding[id(stream)] = stream  # a stream holds runs until it holds none
         size = runs[-1].add(record, seq)
         stream.logged_bytes += size
-        self.holding[id(stream)] = stream
         self.held_bytes += size
         settings = self.settings
         if stream.logged_bytes >= settings.rewrite_bytes or self.held_bytes > settings.held_bytes:
