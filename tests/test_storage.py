@@ -1564,3 +1564,27 @@ def test_a_writer_names_the_segment_it_is_creating_while_it_does(make_store: Mak
     store.objects.create = creating  # type: ignore[method-assign]
     append_text(store, "live", b"1")
     assert (seen, handle.creating) == ([1], None)
+
+
+# -- the handle cache ---------------------------------------------------------------------
+
+
+def test_the_handle_cache_keeps_to_its_count_of_handles(make_store: MakeStore) -> None:
+    store = make_store(cached_streams=2)
+    for number in range(4):
+        store.create(f"s{number}", CreateRequest(TEXT))
+        store.head(f"s{number}")
+    assert store._streams.paths() == ["s2", "s3"]  # the least recently used went
+    assert store.head("s0").tail == 0  # and is loaded again when asked for
+
+
+def test_a_handle_that_grows_pushes_the_oldest_out_of_the_cache(make_store: MakeStore) -> None:
+    store = make_store(handle_cache_bytes=3 * streams.HANDLE_BYTES)
+    store.create("idle", CreateRequest(TEXT))
+    store.create("busy", CreateRequest(TEXT))
+    assert store._streams.paths() == ["idle", "busy"]
+    pieces = 2 * streams.HANDLE_BYTES // streams.PIECE_BYTES
+    for number in range(pieces):  # a segment each: the busy handle outgrows the cache
+        store.append("busy", AppendRequest(TEXT, Payload(b"%d;" % number)))
+    assert store._streams.paths() == ["busy"]
+    assert store._streams.size_bytes == store._open("busy").counted_bytes
