@@ -81,10 +81,10 @@ from localdisk import (  # noqa: E402
 )
 from objectstore import run_in_threadpool  # noqa: E402
 from protocol import parse_json_payload  # noqa: E402
+from settings import Settings  # noqa: E402
 
 OBJECT = b"x" * 200
 OCTETS = "application/octet-stream"
-JSON_DEPTH = 128  # PICOMQ_MAX_JSON_DEPTH's default
 SEQUENTIAL_DEADLINE_SECONDS = 10.0  # per sequential phase: a slow disk stops it early
 JOIN_GRACE_SECONDS = 10.0  # parallel phase: for the creates under way at its end
 PARALLEL_DIRECTORIES = 1000
@@ -315,10 +315,16 @@ def measure_durability(
 def time_json_parse(count: int) -> Figures:
     """PicoMQ's JSON work on the batch load's body: check it, split it, join the messages."""
     body = loads.batch(loads.BATCH_MESSAGES)
+    defaults = Settings.from_environment({})  # the server's limits, as it parses appends
     latencies = []
     for _ in range(count):
         started = time.perf_counter()
-        parse_json_payload(body, allow_empty=False, max_depth=JSON_DEPTH)
+        parse_json_payload(
+            body,
+            allow_empty=False,
+            max_depth=defaults.max_json_depth,
+            max_messages=defaults.max_append_messages,
+        )
         latencies.append(time.perf_counter() - started)
     figures = latency_figures(latencies)
     figures["mb_per_s"] = len(body) / percentile(latencies, 0.5) / 1e6
