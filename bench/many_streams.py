@@ -140,22 +140,25 @@ FIGURES = {
     "client_cpu_pct": Figure("client CPU % of a core", "{:.0f}"),
     "moto_cpu_pct": Figure("moto CPU % of a core", "{:.0f}"),
 }
-# Below this share of its core, a server under wrk was starved by other processes.
+# Below this share of its core, a server under wrk waited: for its core, which other
+# processes held, or on the disk (on ext4 without a journal, for minutes after a run
+# that deleted thousands of files: bench/README.md).
 SATURATED_CPU_PCT = 90
 
 
 def noting_starvation(
     run: Callable[[Target, Options], Result],
 ) -> Callable[[Target, Options], Result]:
-    """`run`, with a note when the server did not get its core: the rate is the machine's."""
+    """`run`, with a note when the server did not keep its core busy: the rate is the
+    machine's."""
 
     def checked(target: Target, options: Options) -> Result:
         result = run(target, options)
         used = result.figures.get("server_cpu_pct", 100.0)
         if used < SATURATED_CPU_PCT:
             result.notes.append(
-                f"the server used {used:.0f} % of its core under wrk: other processes"
-                " took the rest, and its rate says little"
+                f"the server used {used:.0f} % of its core under wrk: it waited for the"
+                " core or on the disk, and its rate says little"
             )
         return result
 
