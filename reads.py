@@ -132,9 +132,9 @@ class Reads:
         return start
 
     def _slices(self, stream: Stream, start: int, end: int) -> list[Slice]:
-        """(object key, byte position, length, object size) of the pieces that hold
-        [start, end). A run held in memory is named by itself, not its key: a rewrite
-        may let go of it before the answer that reads it is sent."""
+        """The slices (`Slice`) of the pieces that hold [start, end). A run held in
+        memory is named by itself, not its key: a rewrite may let go of it before the
+        answer that reads it is sent."""
         pieces: list[Slice] = []
         if stream.source is not None and start < stream.base:
             pieces += self._slices(stream.source, start, min(end, stream.base))
@@ -163,16 +163,16 @@ class Reads:
 
     def _byte_chunks(self, slices: list[Slice]) -> Iterator[bytes]:
         """Small objects come whole through the cache; large ones stream in chunks."""
-        for key, position, length, size in slices:
-            if isinstance(key, Run):
-                yield key.bytes_at(position, length)
+        for piece, position, length, size in slices:
+            if isinstance(piece, Run):
+                yield piece.bytes_at(position, length)
                 continue
-            data = self.cache.get(key)
+            data = self.cache.get(piece)
             if data is None and size <= self.cache.capacity_bytes // 8:
-                data = self.objects.read(key)
-                self.cache.put(key, data)
+                data = self.objects.read(piece)
+                self.cache.put(piece, data)
             if data is None:
-                yield from self.objects.iter_range(key, position, length)
+                yield from self.objects.iter_range(piece, position, length)
             else:
                 yield data[position : position + length]
 
