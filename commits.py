@@ -7,7 +7,8 @@ only then answers them all; appends that come meanwhile form the next batch. The
 create-only write at the tail is the fence between processes and nodes: a writer that
 loses reads what the winner wrote (`Pieces.catch_up`) and validates its batch again.
 Processes of one machine take turns at a stream's commits (streamlocks.py) so none
-starves.
+starves. A plain append that finds a stream served here alone idle is a batch of one,
+and commits without the batch's machinery (`Commits._commit_lone`).
 
 Producer state travels in the segments with the data it describes, so the two never
 disagree after a crash; a segment carries only the producer entries changed since the
@@ -23,7 +24,7 @@ import os
 import random
 import time
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING
 
@@ -105,15 +106,23 @@ class Commits:
 
         An append that finds the stream without a writer commits its batch itself: a
         writer greenlet of its own would cost every lone append a turn of the event
-        loop. Appends queued meanwhile get a writer greenlet.
+        loop. Appends queued meanwhile get a writer greenlet. A plain one that finds it
+        so through the member's log commits alone (`_commit_lone`).
         """
+        if not stream.writing and self._lone(stream, request):
+            stream.writing = True
+            try:
+                result = self._commit_lone(stream, request)
+            finally:
+                self._hand_on(stream)
+            _readers_first(stream)
+            return result
         pending = Pending(request)
         stream.pending.append(pending)
         if not stream.writing:
             stream.writing = True
             self._write_and_hand_on(stream)
-            if stream.waiters:
-                gevent.sleep(0)  # the live readers just woken send their event first
+            _readers_first(stream)
         return pending.result.get()
 
     def _write_and_hand_on(self, stream: Stream) -> None:
@@ -129,10 +138,56 @@ class Commits:
                 with self._writer_turn(stream) as waited:
                     self._take_and_commit(stream, waited)
         finally:
-            if stream.pending:
-                gevent.spawn(self._write_and_hand_on, stream)
-            else:
-                stream.writing = False
+            self._hand_on(stream)
+
+    def _hand_on(self, stream: Stream) -> None:
+        """The appends that came while a commit was written get a writer greenlet."""
+        if stream.pending:
+            gevent.spawn(self._write_and_hand_on, stream)
+        else:
+            stream.writing = False
+
+    def _lone(self, stream: Stream, request: AppendRequest) -> bool:
+        """Whether an append to a stream without a writer may commit alone: data and no
+        more (no producer, If-Match, Stream-Seq or close), of the stream's type, to an
+        open stream served here alone that has no batch to linger for and no producer
+        table to snapshot. Anything else takes the batch's way, which answers it."""
+        return (
+            request.payload is not None
+            and request.producer is None
+            and request.if_match is None
+            and request.stream_seq is None
+            and not request.close
+            and self._logs(stream)
+            and not stream.state.closed
+            and _same_media_type(request.content_type, stream.config.content_type)
+            and not _snapshot_may_be_due(stream.state)
+            and not self._linger(stream, logs=True)
+        )
+
+    def _commit_lone(self, stream: Stream, request: AppendRequest) -> AppendResult:
+        """What `_commit` does for a batch of one plain append through the member's log,
+        without a plan, a state copy or a result to wait on. Over many streams nearly
+        every append is such a commit, and that machinery was a good part of its cost
+        (docs/shared-log.md, "Commits whose cost does not grow with the number of
+        streams"). The stream's state changes in place, once its record is stored: no
+        other writer runs meanwhile (`stream.writing`)."""
+        payload = request.payload
+        assert payload is not None  # `_lone`
+        state = stream.state
+        size = len(payload.data)
+        record = _record(
+            stream, state, state.tail, state.tail + size, payload.data,
+            array(POSITION_TYPE, (size,)), array(POSITION_TYPE, _message_ends(0, payload)),
+        )  # fmt: skip
+        started = time.monotonic()
+        self._log(stream, record)
+        stream.write_seconds = time.monotonic() - started
+        state.tail = record.end
+        stream.refreshed_at = started
+        stream.notify()
+        self.committed(stream, 1)
+        return AppendResult(stream.info())
 
     def _take_and_commit(self, stream: Stream, waited: bool) -> None:
         # Taken once it is our turn: appends that came while we waited join it.
@@ -249,17 +304,15 @@ class Commits:
         stream.add_start(plan.start)
 
     def _log_record(self, stream: Stream, plan: Plan) -> None:
+        state = plan.state
+        payload = b"".join(plan.payload)
+        ends = (plan.append_ends, plan.message_ends)
+        self._log(stream, _record(stream, state, plan.start, state.tail, payload, *ends))
+
+    def _log(self, stream: Stream, record: Record) -> None:
         """Commit through the member's log: durable once the log object holding the
         record is stored (log.py); held in memory until rewritten (rewrites.py)."""
         stream.raise_if_retired()  # moved while a producer snapshot was written
-        state = plan.state
-        producers, changed = state.producers, state.producers_changed
-        changed_entries = tuple((key, producers[key]) for key in changed) if changed else ()
-        record = Record(
-            stream.config.path, stream.prefix, plan.start, state.tail, b"".join(plan.payload),
-            plan.append_ends, plan.message_ends, state.closed,
-            state.closer, state.stream_seq, state.producer_snapshot, changed_entries, time.time(),
-        )  # fmt: skip
         # No `stream.creating`: the record goes to the log, not to a segment a watch sees.
         self.rewrites.hold(stream, record, self.log.write(record))
 
@@ -274,8 +327,8 @@ class Commits:
         """
         state = plan.state
         changed = state.producers_changed
-        if PRODUCER_ENTRY_BYTES * len(changed) <= PRODUCER_CHANGES_BYTES:
-            return None  # surely small: not worth measuring
+        if not _snapshot_may_be_due(state):
+            return None
         if sum(map(len, changed)) + ENCODED_ENTRY_BYTES * len(changed) <= PRODUCER_CHANGES_BYTES:
             return None
         _forget_producers(state.producers, time.time())
@@ -372,6 +425,38 @@ class Plan:
         self.info: StreamInfo | None = None  # after its last append that writes
 
 
+def _snapshot_may_be_due(state: StreamState) -> bool:
+    """False when the producer entries changed since the last snapshot are surely too
+    few to need one (`Commits._snapshot_producers_if_due` measures the others)."""
+    return PRODUCER_ENTRY_BYTES * len(state.producers_changed) > PRODUCER_CHANGES_BYTES
+
+
+def _record(
+    stream: Stream,
+    state: StreamState,
+    start: int,
+    end: int,
+    payload: bytes,
+    append_ends: array,
+    message_ends: array,
+) -> Record:
+    """The record of a commit from `start` to `end`, `state` being the stream's after it."""
+    producers, changed = state.producers, state.producers_changed
+    changed_entries = tuple((key, producers[key]) for key in changed) if changed else ()
+    return Record(
+        stream.config.path, stream.prefix, start, end, payload, append_ends, message_ends,
+        state.closed, state.closer, state.stream_seq, state.producer_snapshot, changed_entries,
+        time.time(),
+    )  # fmt: skip
+
+
+def _readers_first(stream: Stream) -> None:
+    """After a commit in the appender's greenlet: the live readers just woken send
+    their event before the appender's answer."""
+    if stream.waiters:
+        gevent.sleep(0)
+
+
 def _new_token() -> str:
     """128 random bits, as uuid4 has, without its object (a measurable part of a lone
     commit: bench/README.md, "The store's figures")."""
@@ -423,14 +508,20 @@ def _info(stream: Stream, state: StreamState) -> StreamInfo:
 def _add_payload(plan: Plan, payload: Payload) -> None:
     position = plan.state.tail - plan.start
     plan.payload.append(payload.data)
-    # 1,000 per batch, so one C-level pass. A message ends after its comma; a length
-    # plus one is mostly a cached small int, so the pass allocates once per message.
+    plan.message_ends.extend(_message_ends(position, payload))
+    plan.state.tail += len(payload.data)
+    plan.append_ends.append(plan.state.tail - plan.start)
+
+
+def _message_ends(position: int, payload: Payload) -> Iterator[int]:
+    """Where the payload's messages end, placed at `position`.
+
+    1,000 per batch, so one C-level pass. A message ends after its comma; a length plus
+    one is mostly a cached small int, so the pass allocates once per message."""
     sizes = map(operator.add, payload.message_lengths, itertools.repeat(1))
     ends = itertools.accumulate(sizes, initial=position)
     next(ends)  # the start itself
-    plan.message_ends.extend(ends)
-    plan.state.tail += len(payload.data)
-    plan.append_ends.append(plan.state.tail - plan.start)
+    return ends
 
 
 def _forget_producers(producers: dict[str, ProducerEntry], now: float) -> None:

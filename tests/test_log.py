@@ -24,6 +24,7 @@ from storage import StreamStore, open_objects
 from streams import AppendRequest, CreateRequest, Payload, Producer, StoreSettings
 
 TEXT = "text/plain"
+JSON = "application/json"
 
 MakeMember = Callable[..., StreamStore]
 
@@ -235,6 +236,105 @@ def test_a_fenced_member_acknowledges_nothing_more(make_member: MakeMember) -> N
     assert first.log.member is None
     append(second, "s", b"second;")
     assert read_all(second, "s") == b"before;second;"
+
+
+def logged_records(store: StreamStore, member: str) -> list[Record]:
+    """Every record of `member`'s log, in order."""
+    return [
+        record
+        for name in names(store.objects, f"log/{member}")
+        for record in decode_log(store.objects.read(log_key(member, int(name))))[1]
+    ]
+
+
+def test_a_lone_append_is_logged_and_answered_as_a_batch_of_one(
+    make_member: MakeMember, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plain append that finds its stream idle commits alone; what it logs, answers
+    and leaves in the stream is what the batch's way gives the same appends."""
+    store = make_member("m1")
+    commits, lone, commit_lone = store.commits, store.commits._lone, store.commits._commit_lone
+    taken: list[str] = []
+    monkeypatch.setattr(
+        commits,
+        "_lone",
+        lambda stream, request: stream.config.path == "a" and lone(stream, request),
+    )
+    monkeypatch.setattr(
+        commits,
+        "_commit_lone",
+        lambda stream, request: taken.append(stream.config.path) or commit_lone(stream, request),
+    )
+
+    announced: list[int] = []
+    store.listeners.append(lambda info: announced.append(info.tail))
+    store.commit_observers.append(announced.append)  # each commit's count of appends
+
+    def commit(path: str) -> tuple[object, ...]:
+        store.create(path, CreateRequest(JSON))
+        announced.clear()
+        appends = [
+            (Payload.from_messages([b"1"]), Producer("p", 0, 0)),  # the batch's way, always
+            (Payload.from_messages([b"2"]), None),
+            (Payload.from_messages([b"3", b"45"]), None),
+        ]
+        answers = [
+            store.append(path, AppendRequest(JSON, payload, producer=producer))
+            for payload, producer in appends
+        ]
+        state = store._open(path).state
+        return (
+            [(a.info.tail, a.info.closed, a.duplicate, a.producer) for a in answers],
+            (state.tail, state.closed, without_times(state.producers), state.producer_snapshot),
+            state.producers_changed,
+            [
+                record._replace(
+                    path="",
+                    prefix="",
+                    written_at=0.0,
+                    producers=without_times(dict(record.producers)),
+                )  # fmt: skip
+                for record in logged_records(store, "m1")
+                if record.path == path
+            ],
+            read_all(store, path),
+            list(announced),
+        )
+
+    assert commit("a") == commit("b")
+    assert taken == ["a", "a"]
+    carried = [without_times(dict(r.producers)) for r in logged_records(store, "m1")]
+    assert carried[:3] == [(("p", (0, 0)),)] * 3  # a lone record carries the table's changes
+
+
+def without_times(producers: dict[str, tuple[int, int, int]]) -> tuple[tuple[str, tuple], ...]:
+    return tuple((key, entry[:2]) for key, entry in producers.items())
+
+
+def test_appends_that_come_during_a_lone_commit_are_handed_on(
+    make_member: MakeMember, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = make_member("m1")
+    store.create("s", CreateRequest(TEXT))
+    write = store.log.write
+    failures = [StorageUnavailable("the disk is full")]
+
+    def slow_write(record: Record) -> int:
+        gevent.sleep(0.05)  # the others arrive while it is stored
+        if failures:
+            raise failures.pop()
+        return write(record)
+
+    monkeypatch.setattr(store.log, "write", slow_write)
+    with pytest.raises(StorageUnavailable):
+        append(store, "s", b"lost;")
+    assert store._open("s").state.tail == 0 and not store._open("s").writing
+
+    appenders = [gevent.spawn(append, store, "s", b"%d;" % n) for n in range(3)]
+    gevent.joinall(appenders, raise_error=True)
+    assert read_all(store, "s") == b"0;1;2;"
+    assert [record.end for record in logged_records(store, "m1")] == [2, 6]  # one, then two
+    assert not store._open("s").writing
 
 
 def test_a_flush_holds_at_most_its_bound_or_one_record(
