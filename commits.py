@@ -440,7 +440,8 @@ def _record(
     append_ends: array,
     message_ends: array,
 ) -> Record:
-    """The record of a commit from `start` to `end`, `state` being the stream's after it."""
+    """The record of a commit from `start` to `end`: `state` is the stream's after it
+    (its tail aside, which a lone commit has yet to move)."""
     producers, changed = state.producers, state.producers_changed
     changed_entries = tuple((key, producers[key]) for key in changed) if changed else ()
     return Record(
