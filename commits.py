@@ -182,12 +182,17 @@ class Commits:
         )  # fmt: skip
         started = time.monotonic()
         self._log(stream, record)
-        stream.write_seconds = time.monotonic() - started
         state.tail = record.end
-        stream.refreshed_at = started
-        stream.notify()
-        self.committed(stream, 1)
+        self._written(stream, started, 1)
         return AppendResult(stream.info())
+
+    def _written(self, stream: Stream, started: float, appends: int) -> None:
+        """After a commit's write, begun at `started`, is stored: its time (the next
+        linger's measure), readers woken, listeners and counts told."""
+        stream.write_seconds = time.monotonic() - started
+        stream.refreshed_at = started  # our write at the tail proves it was the true one
+        stream.notify()
+        self.committed(stream, appends)
 
     def _take_and_commit(self, stream: Stream, waited: bool) -> None:
         # Taken once it is our turn: appends that came while we waited join it.
@@ -238,7 +243,6 @@ class Commits:
             try:
                 started = time.monotonic()
                 self._write_segment(stream, plan)
-                stream.write_seconds = time.monotonic() - started
             except FileExistsError:
                 # Another process wrote at our tail first: adopt its state and re-validate.
                 losses += 1
@@ -254,9 +258,7 @@ class Commits:
                 continue
             except FileNotFoundError as error:  # the stream's directory was deleted under us
                 raise StreamNotFound(f"stream {stream.config.path} was deleted") from error
-            stream.refreshed_at = started  # our create at the tail proves it was the true one
-            stream.notify()
-            self.committed(stream, len(batch))
+            self._written(stream, started, len(batch))
             break
         _answer(batch, plan)
 

@@ -293,7 +293,7 @@ def test_a_lone_append_is_logged_and_answered_as_a_batch_of_one(
                     prefix="",
                     written_at=0.0,
                     producers=without_times(dict(record.producers)),
-                )  # fmt: skip
+                )
                 for record in logged_records(store, "m1")
                 if record.path == path
             ],
