@@ -52,6 +52,7 @@ MEMBERS = "cluster/members"
 CLAIMS = "cluster/partitions"
 CLAIM_ATTEMPTS = 5
 HOST = socket.gethostname()
+PF_EXITING = 0x4  # a task's flag in proc(5) stat: its exit has begun
 
 
 def _machine() -> str:
@@ -84,14 +85,31 @@ def partition_of(path: str) -> int:
 
 
 def _process_exists(pid: int) -> bool:
-    """Whether process `pid` runs (a zombie, killed but not yet reaped, does not)."""
+    """Whether process `pid` may still act: some thread of it is neither a zombie nor
+    exiting. A killed process closes its sockets as it exits, before it is a zombie: a
+    forward refused then must find it gone. A leader that is a zombie while a thread of
+    its pool still writes is not gone."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as status:
-            return status.read().rpartition(b")")[2].split()[0] != b"Z"
+        tasks = os.listdir(f"/proc/{pid}/task")
     except FileNotFoundError:
         return False
     except OSError:  # no /proc here: ask the kernel
-        pass
+        return _signalable(pid)
+    return any(_thread_acts(f"/proc/{pid}/task/{task}/stat") for task in tasks)
+
+
+def _thread_acts(stat_path: str) -> bool:
+    """Whether the thread is neither a zombie nor exiting, from its proc(5) stat line."""
+    try:
+        with open(stat_path, "rb") as stat:
+            fields = stat.read().rpartition(b")")[2].split()
+    except FileNotFoundError:
+        return False
+    state, flags = fields[0], int(fields[6])
+    return state not in b"ZX" and not flags & PF_EXITING
+
+
+def _signalable(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import gevent
 import pytest
 
-from members import Membership, Owner, partition_of
+from members import PF_EXITING, Membership, Owner, _process_exists, _thread_acts, partition_of
 from storage import open_objects
 
 LEASE_SECONDS = 3.0
@@ -81,3 +85,49 @@ def test_an_owner_seen_alive_is_not_asked_after_again_until_its_lease_ends(
     third.objects.delete_many([f"cluster/members/{third.member}"])
     we.forget_owner(STREAM)  # it answered 421 to a forward
     assert we._is_dead(owner(third))
+
+
+# A process whose first thread ends while another thread of it goes on: the leader is
+# a zombie, the process still acts (as a worker killed mid-write may, in its pool).
+LEADER_ENDS_FIRST = """
+import ctypes, sys, threading, time
+threading.Thread(target=time.sleep, args=(30,)).start()
+sys.stdout.write("ready\\n")
+sys.stdout.flush()
+ctypes.CDLL(None).pthread_exit(None)
+"""
+
+
+def test_a_process_is_gone_only_when_no_thread_of_it_can_act() -> None:
+    """On one machine a member is dead once its process is: a forward refused by a
+    killed owner, whose sockets closed as it began to exit, is served at once. But a
+    process whose first thread is a zombie while another still runs is not gone."""
+    command = [sys.executable, "-c", LEADER_ENDS_FIRST]
+    with subprocess.Popen(command, stdout=subprocess.PIPE) as child:
+        try:
+            assert child.stdout is not None and child.stdout.readline() == b"ready\n"
+            gevent.sleep(0.2)  # the leader's pthread_exit
+            leader = Path(f"/proc/{child.pid}/stat").read_bytes()
+            assert leader.rpartition(b")")[2].split()[0] == b"Z"
+            assert _process_exists(child.pid)
+            os.kill(child.pid, signal.SIGKILL)
+            gevent.sleep(0.2)  # exited, not reaped: a zombie
+            assert not _process_exists(child.pid)
+        finally:
+            child.kill()
+    assert not _process_exists(child.pid)
+
+
+def test_a_thread_whose_exit_has_begun_does_not_act(tmp_path: Path) -> None:
+    """The moment between a kill and the zombie, read from a thread's stat line (one
+    cannot be held open long enough to look at): its exit flag says it is going."""
+    ours = Path(f"/proc/self/task/{os.getpid()}/stat").read_bytes()
+    head, _, rest = ours.rpartition(b")")
+    fields = rest.split()
+    fields[6] = str(int(fields[6]) | PF_EXITING).encode()
+    exiting = head + b") x) " + b" ".join(fields)  # a name may hold ") "
+    (tmp_path / "ours").write_bytes(ours)
+    (tmp_path / "exiting").write_bytes(exiting)
+    assert _thread_acts(str(tmp_path / "ours"))
+    assert not _thread_acts(str(tmp_path / "exiting"))
+    assert not _thread_acts(str(tmp_path / "gone"))
