@@ -26,6 +26,11 @@ from segments import (
     positions,
 )
 
+# The last record is kept for the state it carries. One larger than this is kept
+# without its payload and ends, which the run holds already: a copy of each held
+# stream's last record would take memory past PICOMQ_LOG_HELD_BYTES, twice it at worst.
+KEPT_RECORD_BYTES = 1024
+
 
 class Run:
     """Consecutive records of one stream: one payload, its ends relative to `start`,
@@ -67,7 +72,7 @@ class Run:
         self.message_ends.extend(map(operator.add, messages, shift))
         self.seqs.append(seq)
         self.end = record.end
-        self.last = record
+        self.last = record if len(payload) <= KEPT_RECORD_BYTES else _without_data(record)
         self._index = None
         size = len(payload) + POSITION_SIZE * (len(appends) + len(messages))
         self.nbytes += size
@@ -104,6 +109,10 @@ class Run:
             self.start, self.payload, self.append_ends, self.message_ends, last.state(),
             written_at=last.written_at, token=token,
         )  # fmt: skip
+
+
+def _without_data(record: Record) -> Record:
+    return record._replace(payload=b"", append_ends=positions(), message_ends=positions())
 
 
 def runs_of(records: list[Record]) -> Iterator[Run]:

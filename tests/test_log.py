@@ -7,6 +7,8 @@ partitions does. A second store is a second member: it knows only what storage s
 
 from __future__ import annotations
 
+import os
+import tracemalloc
 from collections.abc import Callable, Iterator
 
 import fsspec
@@ -76,6 +78,26 @@ def test_commits_are_read_from_memory_until_rewritten_into_segments(
     assert read_all(make_member("other"), "s") == b"0;1;2;"
     store.log._collect()
     assert names(store.objects, "log/m1") == ["000000000003"]  # the latest stays: the fence
+
+
+def test_a_member_holds_its_commits_once_in_memory(make_member: MakeMember) -> None:
+    """What a member holds for its rewrites is what PICOMQ_LOG_HELD_BYTES bounds: a
+    held run keeps its last record for the state it carries, not a second copy of a
+    large one's data."""
+    store = make_member("m1")
+    paths, size = [f"big/{number}" for number in range(32)], 256 * 1024
+    for path in paths:
+        store.create(path, CreateRequest(TEXT))
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for path in paths:
+            append(store, path, os.urandom(size))
+        taken = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert store.rewrites.held_bytes >= len(paths) * size
+    assert taken < 1.5 * len(paths) * size
 
 
 def test_a_rewrite_keeps_where_each_append_and_message_ends(make_member: MakeMember) -> None:
