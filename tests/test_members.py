@@ -6,6 +6,8 @@ import os
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import gevent
@@ -106,16 +108,24 @@ def test_a_process_is_gone_only_when_no_thread_of_it_can_act() -> None:
     with subprocess.Popen(command, stdout=subprocess.PIPE) as child:
         try:
             assert child.stdout is not None and child.stdout.readline() == b"ready\n"
-            gevent.sleep(0.2)  # the leader's pthread_exit
-            leader = Path(f"/proc/{child.pid}/stat").read_bytes()
-            assert leader.rpartition(b")")[2].split()[0] == b"Z"
+            leader = Path(f"/proc/{child.pid}/stat")
+            assert soon(lambda: leader.read_bytes().rpartition(b")")[2].split()[0] == b"Z")
             assert _process_exists(child.pid)
             os.kill(child.pid, signal.SIGKILL)
-            gevent.sleep(0.2)  # exited, not reaped: a zombie
-            assert not _process_exists(child.pid)
+            assert soon(lambda: not _process_exists(child.pid))  # a zombie, not reaped
         finally:
             child.kill()
     assert not _process_exists(child.pid)
+
+
+def soon(condition: Callable[[], bool], seconds: float = 10.0) -> bool:
+    """Whether `condition` holds within `seconds` (a loaded machine schedules late)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        gevent.sleep(0.02)
+    return True
 
 
 def test_a_thread_whose_exit_has_begun_does_not_act(tmp_path: Path) -> None:
