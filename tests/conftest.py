@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
+import gevent
 import processes
 import pytest
 import requests
@@ -433,3 +434,14 @@ def read_all(store: StreamStore, path: str, offset: int | None = None) -> bytes:
         result = store.read(path, result.end)
         data += b"".join(result.chunks)
     return data
+
+
+def soon(condition: Callable[[], object], seconds: float = 15.0) -> bool:
+    """Whether `condition` holds within `seconds`, looked at as the event loop turns:
+    for what a store called in process, or a child process, does in the background."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        gevent.sleep(0.02)
+    return True

@@ -6,12 +6,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import gevent
 import pytest
+from conftest import soon
 
 from members import PF_EXITING, Membership, Owner, _process_exists, _thread_acts, partition_of
 from storage import open_objects
@@ -116,16 +115,6 @@ def test_a_process_is_gone_only_when_no_thread_of_it_can_act() -> None:
         finally:
             child.kill()
     assert not _process_exists(child.pid)
-
-
-def soon(condition: Callable[[], bool], seconds: float = 10.0) -> bool:
-    """Whether `condition` holds within `seconds` (a loaded machine schedules late)."""
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        gevent.sleep(0.02)
-    return True
 
 
 def test_a_thread_whose_exit_has_begun_does_not_act(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ from dataclasses import replace
 import gevent
 import pytest
 import requests
+from conftest import soon
 
 from storage import StreamStore, open_objects
 from streams import (
@@ -33,12 +34,6 @@ def append_pieces(store: StreamStore, path: str, count: int, *, producer: bool =
         store.append(path, AppendRequest(TEXT, Payload(b"%04d" % number), producer=owner))
 
 
-def wait_until(predicate: object, seconds: float = 15.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not predicate() and time.monotonic() < deadline:  # type: ignore[operator]
-        gevent.sleep(0.05)
-
-
 def piece_count(store: StreamStore, path: str) -> int:
     prefix = f"streams/{path}/{store.head(path).incarnation}"
     return len(store.objects.list(f"{prefix}/seg")) + len(store.objects.list(f"{prefix}/pack"))
@@ -54,8 +49,8 @@ def test_size_retention_trims_the_head_and_answers_410(storage_url: str) -> None
         "sized", AppendRequest(TEXT, Payload(b"tail"), producer=Producer("writer", 0, 20))
     )
     assert append_pieces_after.info.tail == 84
-    wait_until(lambda: store.head("sized").earliest > 0)
-    wait_until(lambda: piece_count(store, "sized") < before)
+    soon(lambda: store.head("sized").earliest > 0)
+    soon(lambda: piece_count(store, "sized") < before)
 
     info = store.head("sized")
     assert 0 < info.earliest <= 84 - 20 + 4, "more than the retained size is still readable"
@@ -84,7 +79,7 @@ def test_age_retention_trims_and_keeps_closed_flag(storage_url: str) -> None:
     append_pieces(store, "aged", 5)
     gevent.sleep(1.3)
     store.append("aged", AppendRequest(TEXT, Payload(b"last"), close=True))
-    wait_until(lambda: store.head("aged").earliest >= 20)
+    soon(lambda: store.head("aged").earliest >= 20)
     info = store.head("aged")
     assert info.earliest == 20 and info.closed
     with pytest.raises(StreamClosed):
