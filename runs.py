@@ -67,14 +67,15 @@ class Run:
         written out here, not through `extend_shifted`, a call less each."""
         shift = itertools.repeat(self.end - self.start)
         appends, messages, payload = record.append_ends, record.message_ends, record.payload
+        length = len(payload)
         self.payload += payload
         self.append_ends.extend(map(operator.add, appends, shift))
         self.message_ends.extend(map(operator.add, messages, shift))
         self.seqs.append(seq)
         self.end = record.end
-        self.last = record if len(payload) <= KEPT_RECORD_BYTES else _without_data(record)
+        self.last = record if length <= KEPT_RECORD_BYTES else _without_data(record)
         self._index = None
-        size = len(payload) + POSITION_SIZE * (len(appends) + len(messages))
+        size = length + POSITION_SIZE * (len(appends) + len(messages))
         self.nbytes += size
         return size
 
