@@ -32,9 +32,10 @@ while streams are active shows only if its period fits in the window: the drain
 catches what the load left to do, not what the next appends would trigger. `--revision
 REV` (repeatable) runs the server of another git revision, checked out in a temporary
 worktree as ab.py does ("." is the working tree); each part alternates the revisions
-rep by rep, and runs its loads back to back within a rep (disk-appends' ratio pairs a
-revision's two loads of one rep, run seconds apart: this machine's speed drifts by a
-fifth over minutes, and a ratio of loads run minutes apart measured that drift).
+rep by rep, and runs its loads back to back within a rep, in the reverse order in odd
+reps (disk-appends' ratio pairs a revision's two loads of one rep, run seconds apart:
+this machine's speed drifts by a fifth over minutes, and a ratio of loads run minutes
+apart measured that drift).
 
     .venv/bin/python bench/many_streams.py --revision ef47b81 --revision .   # 16 min
     .venv/bin/python bench/many_streams.py --only s3 --streams 1,100 --drain 5
@@ -644,8 +645,11 @@ def main() -> None:
             # (disk-appends) compares runs seconds apart, as this machine's speed drifts.
             print("\n" + "\n".join(load.title.format(**vars(options)) for load in part))
             for rep in range(arguments.reps):
-                order = arguments.revisions if rep % 2 == 0 else arguments.revisions[::-1]
-                for revision, load in itertools.product(order, part):
+                # Odd reps reverse both orders: no revision and no load always runs
+                # in another's wake (its deletes, its dirty pages, its warmed caches).
+                forward = rep % 2 == 0
+                order = arguments.revisions if forward else arguments.revisions[::-1]
+                for revision, load in itertools.product(order, part if forward else part[::-1]):
                     work_dir = work_root / f"{load.name}-{len(runs)}"
                     work_dir.mkdir()
                     run = compare.measure(
