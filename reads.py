@@ -18,11 +18,15 @@ from collections.abc import Iterator
 from objectstore import StorageUnavailable
 from pieces import Pieces
 from runs import Run
-from streams import InvalidRequest, OffsetTrimmed, ReadResult, Stream
+from streams import Chunk, InvalidRequest, OffsetTrimmed, ReadResult, Stream
 
 # Where a read's bytes are: an object's key, or a run held in memory; the position and
 # length of the bytes in it, and its size.
 Slice = tuple[str | Run, int, int, int]
+
+# Up to this size the last chunk of a JSON read is copied to close the array in one
+# chunk; past it, it is sent as a view, and "]" after it.
+SMALL_CHUNK_BYTES = 64 * 1024
 
 
 class Reads:
@@ -161,7 +165,7 @@ class Reads:
             start += length
         return pieces
 
-    def _byte_chunks(self, slices: list[Slice]) -> Iterator[bytes]:
+    def _byte_chunks(self, slices: list[Slice]) -> Iterator[Chunk]:
         """Small objects come whole through the cache; large ones stream in chunks."""
         for piece, position, length, size in slices:
             if isinstance(piece, Run):
@@ -173,19 +177,23 @@ class Reads:
                 self.cache.put(piece, data)
             if data is None:
                 yield from self.objects.iter_range(piece, position, length)
-            else:
-                yield data[position : position + length]
+            else:  # a view, not a copy: a cached segment is megabytes
+                yield memoryview(data)[position : position + length]
 
     @staticmethod
-    def _json_chunks(data: Iterator[bytes]) -> Iterator[bytes]:
+    def _json_chunks(data: Iterator[Chunk]) -> Iterator[Chunk]:
         """Stored messages each end with ',': the array is '[' + bytes minus the last ',' + ']'."""
         yield b"["
-        held = b""
+        held: Chunk = b""
         for chunk in data:
             if held:
                 yield held
             held = chunk
-        yield held[:-1] + b"]"
+        if len(held) > SMALL_CHUNK_BYTES:  # the last chunk as a view: no copy of megabytes
+            yield memoryview(held)[:-1]
+            yield b"]"
+        else:  # one chunk, one send, as the answer to a live read mostly is
+            yield bytes(held[:-1]) + b"]"
 
     def sub_offset_point(self, stream: Stream, offset: int, sub_offset: int) -> int:
         """The fork point `sub_offset` bytes (or JSON messages) into the append at `offset`."""
@@ -222,7 +230,7 @@ def _read_start(stream: Stream, offset: int | None) -> int:
     return start
 
 
-def _first_taken_now(chunks: Iterator[bytes]) -> Iterator[bytes]:
+def _first_taken_now(chunks: Iterator[Chunk]) -> Iterator[Chunk]:
     """`chunks`, the first one read before the answer starts.
 
     The rest is read as the answer is sent; if another process deletes the stream

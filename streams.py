@@ -209,6 +209,10 @@ class AppendResult:
     producer: Producer | None = None
 
 
+# A piece of a read's body: a view where it shares the bytes of a cached segment.
+Chunk = bytes | memoryview
+
+
 @dataclass(frozen=True)
 class ReadResult:
     """A range [start, end) of a stream; `chunks` yields the body lazily (JSON: an array)."""
@@ -216,7 +220,7 @@ class ReadResult:
     info: StreamInfo
     start: int
     end: int
-    chunks: Iterator[bytes]
+    chunks: Iterator[Chunk]
     up_to_date: bool
 
 
