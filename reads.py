@@ -177,7 +177,7 @@ class Reads:
                 self.cache.put(piece, data)
             if data is None:
                 yield from self.objects.iter_range(piece, position, length)
-            else:  # a view, not a copy: a cached segment is megabytes
+            else:  # a view, not a copy: a cached segment may be megabytes
                 yield memoryview(data)[position : position + length]
 
     @staticmethod
