@@ -60,6 +60,9 @@ AT_SYMLINK_FOLLOW = 0x400
 # the filesystem or kernel has none (EOPNOTSUPP, EISDIR), or the directory was removed
 # after its lookup, which ext4 answers with EPERM where a named create says ENOENT.
 NAMED_FILE_INSTEAD = (errno.EOPNOTSUPP, errno.EISDIR, errno.EPERM)
+# What link(2) fails with where the two names cannot share a file: another filesystem
+# under the root, or one without hard links.
+COPY_INSTEAD = (errno.EXDEV, errno.EPERM, errno.EOPNOTSUPP)
 
 # A process idle this long, using less than this share of a core meanwhile, has no
 # one queued for its event loop: see BatchedCreates.
@@ -92,6 +95,21 @@ def publish_then_sync(path: str, data: bytes) -> None:
         _sync_filesystems([descriptor])
     finally:
         os.close(descriptor)
+
+
+def link_durably(source: str, path: str) -> None:
+    """Name the file at `source` again at `path`, durably; `FileExistsError` if taken.
+    Where the two cannot share a file, a copy."""
+    directory = os.path.dirname(path)
+    make_durable_directories(directory)
+    try:
+        os.link(source, path)
+    except OSError as error:
+        if error.errno not in COPY_INSTEAD:
+            raise
+        create_durably(path, _read(source, 0, None))
+        return
+    fsync_directory(directory)
 
 
 def create_many(objects: list[Create]) -> list[Outcome]:
@@ -390,6 +408,7 @@ class LocalDisk(ObjectStore):
     """
 
     is_local = True
+    links_cheaply = True
 
     def __init__(self, root: str) -> None:
         super().__init__(run_here)
@@ -406,6 +425,10 @@ class LocalDisk(ObjectStore):
             )
         else:
             self._guarded(run_in_threadpool, create_durably, self.path(key), data)
+
+    def link(self, source: str, key: str) -> None:
+        """A hard link, synced: the data is not written again."""
+        self._guarded(run_in_threadpool, link_durably, self.path(source), self.path(key))
 
     def delete(self, key: str) -> None:
         self._guarded(_unlink_durably, self.path(key))

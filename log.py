@@ -16,6 +16,11 @@ it, when written): what a segment's header holds, so a record never depends on
 another. Objects of the release before (`MAGIC_BEFORE`, each record a whole segment)
 are still read.
 
+On local disk a flush of one large record is written as that record's segment
+instead (a *shaped* object, `encode_shaped`), which the rewrite links into the
+stream's folder rather than writing its bytes again (docs/shared-log.md, "Large
+records: the log object is the segment").
+
 Objects are numbered in order, one flush in flight at a time, and a member never
 writes `seq + 1` before it knows `seq` is stored. That order is the fence: a member
 that takes over another's streams (believing it dead) first creates the next number
@@ -49,12 +54,17 @@ import orjson
 from gevent.event import AsyncResult
 
 from objectstore import ObjectStore, StorageUnavailable
+from segments import MAGIC as SEGMENT_MAGIC
 from segments import (
+    PREFIX,
     CorruptSegment,
     ProducerEntry,
+    SegmentIndex,
     StreamState,
     closer_of,
     decode_header,
+    encode_segment,
+    header_length,
     positions_bytes,
     positions_of,
     producer_entries,
@@ -74,6 +84,9 @@ LENGTH = struct.Struct(">I")  # the header's length (MAGIC_BEFORE)
 FLUSH_ATTEMPTS = 3
 FENCE_ATTEMPTS = 5
 MAX_FLUSH_BYTES = 64 * 1024 * 1024  # a flush holds at most this much, or one record
+# A flush of one record at least this large is shaped as its segment, where the store
+# links objects cheaply: below it, joining records into one segment saves more.
+SHAPED_RECORD_BYTES = 64 * 1024
 FLUSHED_OR_NOT = "the log could not be written; the append may have been stored"
 
 
@@ -146,10 +159,22 @@ def encode_log(token: str, records: list[Record]) -> bytes:
     return b"".join([MAGIC, HEADER.pack(len(header), checksum), header, body])
 
 
+def encode_shaped(token: str, record: Record) -> tuple[bytes, SegmentIndex]:
+    """A flush of one record as the segment it will be, naming its stream besides, and
+    that segment's index."""
+    return encode_segment(
+        record.start, record.payload, record.append_ends, record.message_ends, record.state(),
+        written_at=record.written_at, token=token,
+        extra={"path": record.path, "prefix": record.prefix},
+    )  # fmt: skip
+
+
 def decode_log(data: bytes) -> tuple[str, list[Record]]:
     """The token and records of a log object; a fence holds none. ValueError if torn."""
     if data.startswith(FENCE):
         return "", []
+    if data.startswith(SEGMENT_MAGIC):
+        return _decode_shaped(data)
     if data.startswith(MAGIC_BEFORE):
         return _decode_segments(data)
     if not data.startswith(MAGIC) or len(data) < len(MAGIC) + HEADER.size:
@@ -183,6 +208,16 @@ def _bytes_at(data: bytes, position: int, length: int) -> tuple[bytes, int]:
     if end > len(data):
         raise ValueError("log object shorter than its header says")
     return data[position:end], end
+
+
+def _decode_shaped(data: bytes) -> tuple[str, list[Record]]:
+    """A flush of one record shaped as its segment (`encode_shaped`)."""
+    try:
+        record = record_of("", "", data)  # checks header and payload first
+    except (CorruptSegment, struct.error) as error:
+        raise ValueError(f"a torn log object: {error}") from error
+    fields = orjson.loads(data[PREFIX.size : header_length(data)])
+    return fields["token"], [record._replace(path=fields["path"], prefix=fields["prefix"])]
 
 
 def _decode_segments(data: bytes) -> tuple[str, list[Record]]:
@@ -235,6 +270,7 @@ class Log:
         self.waiting: deque[Flush] = deque()
         self.flushing = False
         self.unreleased: dict[int, int] = {}  # seq -> its records not yet rewritten
+        self.shaped: dict[int, SegmentIndex] = {}  # seq -> its segment's, until rewritten
         self.emptied: set[int] = set()  # objects all of whose records are, not yet deleted
         self.on_fenced: list[Callable[[], None]] = []
         self._collecting = False
@@ -242,6 +278,7 @@ class Log:
     def begin(self, member: str) -> None:
         """Write as `member` from now on, from its first number."""
         self.member, self.seq, self.unreleased, self.emptied = member, 0, {}, set()
+        self.shaped = {}
 
     def write(self, record: Record) -> int:
         """Store `record` with the next flush; the number of the object that holds it.
@@ -281,8 +318,9 @@ class Log:
             return
         seq = self.seq + 1
         token = os.urandom(16).hex()
+        data, index = self._encode(token, flush.records)
         try:
-            self._store(member, seq, encode_log(token, flush.records), token)
+            self._store(member, seq, data, token)
         except Exception as error:
             flush.done.set_exception(error)
             return
@@ -292,7 +330,28 @@ class Log:
             raise
         self.seq = seq
         self.unreleased[seq] = len(flush.records)
+        if index is not None:
+            self.shaped[seq] = index
         flush.done.set(seq)
+
+    def _encode(self, token: str, records: list[Record]) -> tuple[bytes, SegmentIndex | None]:
+        """A flush's object, and its segment's index when it is shaped as one: written as
+        a `PMQLOG2` object and again as a segment, a large record's bytes cost twice."""
+        if (
+            len(records) == 1
+            and len(records[0].payload) >= SHAPED_RECORD_BYTES
+            and self.objects.links_cheaply
+        ):
+            return encode_shaped(token, records[0])
+        return encode_log(token, records), None
+
+    def shaped_source(self, seqs: array) -> tuple[str, SegmentIndex] | None:
+        """For a run of one record from a shaped object: that object, to be linked as the
+        run's segment, and the segment's index. None for any other run."""
+        if len(seqs) != 1 or self.member is None:
+            return None
+        index = self.shaped.get(seqs[0])
+        return None if index is None else (log_key(self.member, seqs[0]), index)
 
     def _store(self, member: str, seq: int, data: bytes, token: str) -> None:
         """Create log object `seq`, learning whether a failed try stored it after all."""
@@ -359,6 +418,7 @@ class Log:
                 self.unreleased[seq] = left - 1
                 if left == 1:
                     self.emptied.add(seq)
+                    self.shaped.pop(seq, None)
         # Only the emptied: a rewrite round over many streams releases once per stream,
         # and looking through every object each time grew with streams times objects.
         if not self._collecting and any(seq < self.seq for seq in self.emptied):

@@ -282,6 +282,7 @@ class MeasuredObjects(ObjectStore):
         super().__init__(run_here)
         self.objects = objects
         self.root, self.is_local = objects.root, objects.is_local
+        self.links_cheaply = objects.links_cheaply
         metrics = get_metrics()
         self.writes = metrics.writes
         self.requests = {name: metrics.storage_requests.labels(name) for name in STORAGE_OPERATIONS}
@@ -290,6 +291,10 @@ class MeasuredObjects(ObjectStore):
     @measured("put")
     def create(self, key: str, data: bytes, *, verified_on_load: bool = False) -> None:
         self.objects.create(key, data, verified_on_load=verified_on_load)
+
+    @measured("put")
+    def link(self, source: str, key: str) -> None:
+        self.objects.link(source, key)
 
     @measured("put")
     def touch(self, key: str) -> None:

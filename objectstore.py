@@ -114,6 +114,7 @@ class ObjectStore(ABC):
 
     root: str
     is_local: bool  # local disk: stats are cheap and files can be watched
+    links_cheaply = False  # `link` names the stored bytes again rather than copying them
 
     def __init__(self, call: Callable[..., object]) -> None:
         self._call = call
@@ -141,6 +142,11 @@ class ObjectStore(ABC):
         checks it whole and drops it when torn, which lets local disk publish it before
         its data is synced (localdisk.py); readers take it in through `make_durable`.
         """
+
+    def link(self, source: str, key: str) -> None:
+        """Create `key` holding what `source` holds, as `create` does (`FileExistsError`
+        if it exists). Here a copy; local disk names the same file again."""
+        self.create(key, self.read(source), verified_on_load=True)
 
     @abstractmethod
     def delete(self, key: str) -> None:

@@ -16,7 +16,8 @@ process holds more than `held_bytes`, and on demand: before a fork of the stream
 made, and when the process stops. The segment is written create-only, as every
 segment: one at that name already means the records were rewritten by whoever
 replayed this member's log, which happens only after it fenced the log; the member
-then gives up its identity (`Log.give_up`).
+then gives up its identity (`Log.give_up`). A record whose log object is shaped as its
+segment (log.py) is a run of its own, and its rewrite links that object instead.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from log import Log, Record
 from objectstore import StorageUnavailable
 from pieces import Pieces
 from runs import Run
+from segments import SegmentIndex
 from streams import Stream
 
 log = logging.getLogger("picomq.storage")
@@ -57,13 +59,16 @@ class Rewrites:
     def hold(self, stream: Stream, record: Record, seq: int) -> None:
         """A commit is in log object `seq`: hold its record until rewritten."""
         runs = stream.runs
-        if not runs or not runs[-1].takes(record):
+        shaped = seq in self.log.shaped
+        if shaped or not runs or not runs[-1].takes(record):
             run = Run(record.start)
             key = stream.logged_key(run.start)
             self.pieces.hold(key, run)
             stream.add_run(run, key)
             self.holding[id(stream)] = stream  # a stream holds runs until it holds none
         size = runs[-1].add(record, seq)
+        if shaped:  # its segment is stored already: nothing may join it
+            runs[-1].closed = True
         stream.logged_bytes += size
         self.held_bytes += size
         settings = self.settings
@@ -117,22 +122,22 @@ class Rewrites:
         """Write `run`, the first `stream` holds, as its segment; False if it holds it no
         more (given up, or dropped meanwhile)."""
         run.closed = True  # the records logged while its segment is stored start the next
-        data, index = run.segment(os.urandom(16).hex())
         key = stream.segment_key(run.start)
         try:
-            self.objects.create(key, data, verified_on_load=True)
-        except FileExistsError:
-            if self.pieces.read_piece(key)[0].token != index.token:
-                log.warning("%s was rewritten by another member: this one was fenced", key)
-                self.log.give_up()
-                return False
+            stored = self._store(run, key)
         except FileNotFoundError:  # the stream was deleted meanwhile (local disk)
             self.drop(stream, erased=True)
             return False
+        if stored is None:
+            log.warning("%s was rewritten by another member: this one was fenced", key)
+            self.log.give_up()
+            return False
+        data, index = stored
         if not stream.runs or stream.runs[0] is not run:
             return False  # dropped meanwhile: deleted, or served elsewhere now
         self.pieces.let_go([stream.logged_key(run.start)])
-        self.pieces.cache.put(key, data)
+        if data is not None:  # a linked one is read from its file, as any other process's
+            self.pieces.cache.put(key, data)
         self.pieces.indexes.put(key, index, index.nbytes)
         stream.adopt_rewrite(run)
         self.held_bytes -= run.nbytes
@@ -140,6 +145,37 @@ class Rewrites:
         if not stream.runs:
             self.holding.pop(id(stream), None)
         return True
+
+    def _store(self, run: Run, key: str) -> tuple[bytes | None, SegmentIndex] | None:
+        """Store `run` as segment `key`: its bytes (None when linked) and its index; None
+        if another member's segment is there. A run of a shaped log object links that
+        object, unless it is gone (replayed by a member that fenced this one): then the
+        create tells what happened."""
+        shaped = self.log.shaped_source(run.seqs)
+        if shaped is not None:
+            source, index = shaped
+            try:
+                self.objects.link(source, key)
+                return None, index
+            except FileExistsError:
+                return self._ours(key, None, index)
+            except FileNotFoundError:
+                pass
+        data, index = run.segment(os.urandom(16).hex())
+        try:
+            self.objects.create(key, data, verified_on_load=True)
+        except FileExistsError:
+            return self._ours(key, data, index)
+        return data, index
+
+    def _ours(
+        self, key: str, data: bytes | None, index: SegmentIndex
+    ) -> tuple[bytes | None, SegmentIndex] | None:
+        """A segment was at `key` already: ours if it has our token (an earlier try
+        landed; only its answer was lost)."""
+        if self.pieces.read_piece(key)[0].token != index.token:
+            return None
+        return data, index
 
     def drop(self, stream: Stream, *, erased: bool) -> None:
         """The stream is erased, or served elsewhere now: its records are held no more.

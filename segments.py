@@ -210,6 +210,7 @@ def encode_segment(
     state: StreamState,
     written_at: float | None = None,
     token: str = "",
+    extra: dict[str, object] | None = None,
 ) -> tuple[bytes, SegmentIndex]:
     """The segment's bytes, and its index: the writer need not parse what it just wrote.
 
@@ -217,25 +218,25 @@ def encode_segment(
     now) dates the newest data in it, for age-based retention. `token` is unique to one
     write attempt: when an object store stores a segment but the answer is lost, the
     retried create fails, and the token tells our own segment from another writer's.
+    `extra` adds header fields a reader of segments ignores (log.py's shaped objects).
     """
     payload_crc = zlib.crc32(payload)
     written_at = time.time() if written_at is None else written_at
-    header = orjson.dumps(
-        {
-            "start": start,
-            "end": state.tail,
-            "append_ends": _encode_positions(append_ends),
-            "message_ends": _encode_positions(message_ends),
-            "closed": state.closed,
-            "producers": state.changed_producers(),
-            "producer_snapshot": state.producer_snapshot,
-            "closer": state.closer,
-            "stream_seq": state.stream_seq,
-            "payload_crc": payload_crc,
-            "written_at": written_at,
-            "token": token,
-        }
-    )
+    fields = {
+        "start": start,
+        "end": state.tail,
+        "append_ends": _encode_positions(append_ends),
+        "message_ends": _encode_positions(message_ends),
+        "closed": state.closed,
+        "producers": state.changed_producers(),
+        "producer_snapshot": state.producer_snapshot,
+        "closer": state.closer,
+        "stream_seq": state.stream_seq,
+        "payload_crc": payload_crc,
+        "written_at": written_at,
+        "token": token,
+    }
+    header = orjson.dumps(fields | extra if extra else fields)
     index = SegmentIndex(
         start=start,
         end=state.tail,

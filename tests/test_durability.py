@@ -23,7 +23,7 @@ import pytest
 import requests
 from conftest import follow_stream
 
-from log import encode_log, log_key, record_of
+from log import SHAPED_RECORD_BYTES, encode_log, encode_shaped, log_key, record_of
 from segments import StreamState, encode_segment, positions
 
 if TYPE_CHECKING:
@@ -501,17 +501,25 @@ def segment_at(position: int, payload: bytes) -> tuple[bytes, int]:
     return whole, len(whole) - len(payload)
 
 
-def tear_next_log_object(server: Server, path: str, position: int, how: str) -> None:
-    """The member's next log object, holding a commit never acknowledged, torn."""
+def tear_next_log_object(
+    server: Server, path: str, position: int, how: str, *, shaped: bool
+) -> None:
+    """The member's next log object, holding a commit never acknowledged, torn: a flush
+    of one large record is shaped as its segment (log.py)."""
     directory = log_directory(server)
     numbers = [int(name.name) for name in directory.iterdir() if name.name.isdigit()]
-    payload = b"never acknowledged\n"
+    payload = b"never acknowledged\n" * (SHAPED_RECORD_BYTES // 19 + 1 if shaped else 1)
     segment, _ = segment_at(position, payload)
     prefix = str(stream_prefix(server).relative_to(server.data_dir))
-    whole = encode_log("0" * 32, [record_of(path, prefix, segment)])
+    record = record_of(path, prefix, segment)
+    if shaped:
+        whole, index = encode_shaped("0" * 32, record)
+        header_end = index.payload_position
+    else:
+        whole = encode_log("0" * 32, [record])
+        header_end = len(whole) - (4 + len(payload))  # the record's one append end, payload
     next_object = server.data_dir / log_key(directory.name, max(numbers) + 1)
-    body = 4 + len(payload)  # the record's one append end, then its payload
-    next_object.write_bytes(torn(whole, len(whole) - body, how))
+    next_object.write_bytes(torn(whole, header_end, how))
     (directory / ".tmp-0123456789abcdef0123456789abcdef").write_bytes(b"half a log")
 
 
@@ -526,7 +534,7 @@ def tear_first_rewrite(server: Server, acknowledged: bytes, how: str) -> None:
 
 
 @pytest.mark.parametrize("how", TEARS)
-@pytest.mark.parametrize("where", ["log", "rewrite"])
+@pytest.mark.parametrize("where", ["log", "shaped log", "rewrite"])
 def test_a_tail_torn_by_a_crash_is_dropped(
     start_server: StartServer, unique_stream: str, where: str, how: str
 ) -> None:
@@ -550,8 +558,10 @@ def test_a_tail_torn_by_a_crash_is_dropped(
     tail = response.headers[NEXT_OFFSET]
     server.kill9()
 
-    if where == "log":
-        tear_next_log_object(server, unique_stream, parse_position(tail), how)
+    if where != "rewrite":
+        tear_next_log_object(
+            server, unique_stream, parse_position(tail), how, shaped=where == "shaped log"
+        )
     else:
         tear_first_rewrite(server, acknowledged, how)
     server.start()

@@ -170,6 +170,35 @@ def test_object_store_creates_are_create_only(tmp_path: Path) -> None:
     assert os.listdir(tmp_path / "stream") == ["segment"]
 
 
+def test_a_link_names_the_same_file_create_only(tmp_path: Path) -> None:
+    store = open_objects(str(tmp_path))
+    store.create("log/1", b"logged")
+    store.link("log/1", "stream/seg/1")
+    assert os.stat(tmp_path / "stream/seg/1").st_ino == os.stat(tmp_path / "log/1").st_ino
+    store.create("log/2", b"other")
+    with pytest.raises(FileExistsError):
+        store.link("log/2", "stream/seg/1")
+    assert store.read("stream/seg/1") == b"logged"
+
+
+def test_a_link_across_filesystems_is_a_copy(tmp_path: Path) -> None:
+    """A data root whose stream folders are mounted elsewhere (here tmpfs) cannot link."""
+    shared_memory = Path("/dev/shm")
+    if not shared_memory.is_dir() or shared_memory.stat().st_dev == tmp_path.stat().st_dev:
+        pytest.skip("needs a second filesystem at /dev/shm")
+    elsewhere = shared_memory / f"picomq-test-{os.getpid()}-{tmp_path.name}"
+    elsewhere.mkdir()
+    try:
+        (tmp_path / "stream").symlink_to(elsewhere)
+        store = open_objects(str(tmp_path))
+        store.create("log/1", b"logged")
+        store.link("log/1", "stream/seg/1")
+        assert store.read("stream/seg/1") == b"logged"
+        assert os.stat(tmp_path / "stream/seg/1").st_dev != os.stat(tmp_path / "log/1").st_dev
+    finally:
+        shutil.rmtree(elsewhere)
+
+
 def record_syncs(monkeypatch: pytest.MonkeyPatch, paths: list[str]) -> list[list[bool]]:
     """For each syncfs call made, which of `paths` were linked into place at that moment."""
     sync, syncs = localdisk._sync_filesystems, []

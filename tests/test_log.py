@@ -21,6 +21,7 @@ import log
 import runs
 from log import LENGTH, MAGIC_BEFORE, Fenced, Record, decode_log, log_key
 from objectstore import ObjectStore, StorageUnavailable
+from segments import MAGIC as SEGMENT_MAGIC
 from segments import encode_segment
 from storage import StreamStore, open_objects
 from streams import AppendRequest, CreateRequest, Payload, Producer, StoreSettings
@@ -444,3 +445,86 @@ def test_the_log_object_a_fence_must_find_is_never_deleted(make_member: MakeMemb
     make_member("m2").replay("m1")  # fences at 2, above the one kept
     with pytest.raises(Fenced):
         append(store, "s", b"y;")
+
+
+def test_a_large_record_is_logged_as_its_segment_and_linked_into_place(
+    make_member: MakeMember,
+) -> None:
+    """On local disk a flush of one large record is shaped as that record's segment,
+    and the rewrite names the same file in the stream's folder rather than writing its
+    bytes again. On object stores it is logged as any flush."""
+    store = make_member("m1")
+    store.create("s", CreateRequest(TEXT))
+    large = os.urandom(log.SHAPED_RECORD_BYTES)
+    append(store, "s", b"small;")
+    append(store, "s", large)
+    append(store, "s", b"after;")
+    first, shaped, after = (store.objects.read(log_key("m1", seq)) for seq in (1, 2, 3))
+    links = store.objects.links_cheaply
+    assert first.startswith(log.MAGIC) and after.startswith(log.MAGIC)
+    assert shaped.startswith(SEGMENT_MAGIC if links else log.MAGIC)
+    # Nothing joins a shaped record's run; elsewhere the three join.
+    assert [len(run.seqs) for run in store._open("s").runs] == ([1, 1, 1] if links else [3])
+    expected = b"small;" + large + b"after;"
+    assert read_all(store, "s") == expected
+
+    root = store.objects.root
+    logged = os.stat(f"{root}/{log_key('m1', 2)}").st_ino if links else None
+    assert store.rewrites.rewrite_all(10)
+    prefix = store._open("s").prefix
+    starts = [int(name) for name in names(store.objects, f"{prefix}/seg")]
+    assert starts == ([0, 6, 6 + len(large)] if links else [0])
+    if links:
+        assert os.stat(f"{root}/{prefix}/seg/{6:020d}").st_ino == logged
+    store.log._collect()
+    assert read_all(store, "s") == expected
+    assert read_all(make_member("other"), "s") == expected
+
+
+def test_a_shaped_log_object_is_replayed(make_member: MakeMember) -> None:
+    first = make_member("m1")
+    first.create("s", CreateRequest(TEXT))
+    large = os.urandom(log.SHAPED_RECORD_BYTES + 1)
+    append(first, "s", large, seq=0)
+    append(first, "s", b"1;", seq=1)
+
+    second = make_member("m2")
+    second.replay("m1")
+    assert read_all(second, "s") == large + b"1;"
+    append(second, "s", large, seq=0)  # the producer state came with the data: a duplicate
+    append(second, "s", b"2;", seq=2)
+    assert read_all(second, "s") == large + b"1;2;"
+
+
+def test_a_fenced_member_links_nothing_over_its_replayed_records(
+    make_member: MakeMember,
+) -> None:
+    """The member that fenced this one replayed its log and deleted it: the shaped log
+    object is gone, and the rewrite finds the other's segment in its place."""
+    first = make_member("m1")
+    first.create("s", CreateRequest(TEXT))
+    large = os.urandom(log.SHAPED_RECORD_BYTES)
+    append(first, "s", large)
+    second = make_member("m2")
+    second.replay("m1")
+
+    assert not first.rewrites.rewrite_all(1)
+    assert first.log.member is None  # it gave up its identity
+    assert read_all(second, "s") == large
+
+
+def test_a_record_linked_before_a_crash_is_replayed_once(make_member: MakeMember) -> None:
+    """The latest log object stays after its rewrite (a fence must find its number): a
+    replay then finds the shaped record's segment in place, the linked file itself."""
+    first = make_member("m1")
+    first.create("s", CreateRequest(TEXT))
+    large = os.urandom(log.SHAPED_RECORD_BYTES)
+    append(first, "s", large)
+    assert first.rewrites.rewrite_all(10)
+    assert names(first.objects, "log/m1") == [log_key("m1", 1).rpartition("/")[2]]
+
+    second = make_member("m2")
+    second.replay("m1")
+    assert read_all(second, "s") == large
+    append(second, "s", b"next;")
+    assert read_all(second, "s") == large + b"next;"
