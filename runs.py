@@ -64,13 +64,19 @@ class Run:
         the bytes it holds in memory (payload and ends).
 
         Each commit over many streams adds one: its ends are moved in C-level passes
-        written out here, not through `extend_shifted`, a call less each."""
-        shift = itertools.repeat(self.end - self.start)
+        written out here, not through `extend_shifted`, a call less each. A run's first
+        record (a large batch's run holds only that) needs no move: its ends are copied
+        whole."""
         appends, messages, payload = record.append_ends, record.message_ends, record.payload
         length = len(payload)
         self.payload += payload
-        self.append_ends.extend(map(operator.add, appends, shift))
-        self.message_ends.extend(map(operator.add, messages, shift))
+        if self.end == self.start:
+            self.append_ends.extend(appends)
+            self.message_ends.extend(messages)
+        else:
+            shift = itertools.repeat(self.end - self.start)
+            self.append_ends.extend(map(operator.add, appends, shift))
+            self.message_ends.extend(map(operator.add, messages, shift))
         self.seqs.append(seq)
         self.end = record.end
         self.last = record if length <= KEPT_RECORD_BYTES else _without_data(record)
