@@ -97,9 +97,10 @@ def publish_then_sync(path: str, data: bytes) -> None:
         os.close(descriptor)
 
 
-def link_durably(source: str, path: str) -> None:
-    """Name the file at `source` again at `path`, durably; `FileExistsError` if taken.
-    Where the two cannot share a file, a copy."""
+def link_file(source: str, path: str) -> None:
+    """Name the file at `source` again at `path`; `FileExistsError` if taken. The new
+    name is durable once its directory is synced (`LocalDisk.link`). Where the two
+    cannot share a file, a durable copy."""
     directory = os.path.dirname(path)
     make_durable_directories(directory)
     try:
@@ -108,8 +109,6 @@ def link_durably(source: str, path: str) -> None:
         if error.errno not in COPY_INSTEAD:
             raise
         create_durably(path, _read(source, 0, None))
-        return
-    fsync_directory(directory)
 
 
 def create_many(objects: list[Create]) -> list[Outcome]:
@@ -427,8 +426,9 @@ class LocalDisk(ObjectStore):
             self._guarded(run_in_threadpool, create_durably, self.path(key), data)
 
     def link(self, source: str, key: str) -> None:
-        """A hard link, synced: the data is not written again."""
-        self._guarded(run_in_threadpool, link_durably, self.path(source), self.path(key))
+        """A hard link: the data is not written again, and the name waits for
+        `make_durable`, so that the links of one folder share a sync."""
+        self._guarded(link_file, self.path(source), self.path(key))
 
     def delete(self, key: str) -> None:
         self._guarded(_unlink_durably, self.path(key))

@@ -144,8 +144,9 @@ class ObjectStore(ABC):
         """
 
     def link(self, source: str, key: str) -> None:
-        """Create `key` holding what `source` holds, as `create` does (`FileExistsError`
-        if it exists). Here a copy; local disk names the same file again."""
+        """Create `key` holding what `source` holds (`FileExistsError` if it exists),
+        durable once `make_durable(key)` returns. Here a copy; local disk names the
+        same file again."""
         self.create(key, self.read(source), verified_on_load=True)
 
     @abstractmethod

@@ -114,13 +114,26 @@ class Rewrites:
 
         Raises StorageUnavailable when storage fails (the records stay held)."""
         with stream.rewriting:  # two at once would both write the first run's name
-            for run in list(stream.runs):  # not the runs begun meanwhile
-                if not self._rewrite(stream, run):
-                    break
+            linked: list[Run] = []
+            try:
+                for run in list(stream.runs):  # not the runs begun meanwhile
+                    if not self._rewrite(stream, run, linked):
+                        break
+            finally:
+                self._settle(stream, linked)
 
-    def _rewrite(self, stream: Stream, run: Run) -> bool:
-        """Write `run`, the first `stream` holds, as its segment; False if it holds it no
-        more (given up, or dropped meanwhile)."""
+    def _settle(self, stream: Stream, linked: list[Run]) -> None:
+        """The segments linked in one rewrite of `stream` share its folder: one sync
+        makes them durable, and only then may the log objects they came from go."""
+        if linked:
+            self.objects.make_durable(stream.segment_key(linked[-1].start))
+            for run in linked:
+                self.log.release(run.seqs)
+
+    def _rewrite(self, stream: Stream, run: Run, linked: list[Run]) -> bool:
+        """Write `run`, the first `stream` holds, as its segment (added to `linked` when
+        linked: see `_settle`); False if it holds it no more (given up, or dropped
+        meanwhile)."""
         run.closed = True  # the records logged while its segment is stored start the next
         key = stream.segment_key(run.start)
         try:
@@ -141,7 +154,10 @@ class Rewrites:
         self.pieces.indexes.put(key, index, index.nbytes)
         stream.adopt_rewrite(run)
         self.held_bytes -= run.nbytes
-        self.log.release(run.seqs)
+        if data is None:
+            linked.append(run)
+        else:
+            self.log.release(run.seqs)
         if not stream.runs:
             self.holding.pop(id(stream), None)
         return True

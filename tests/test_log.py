@@ -496,6 +496,41 @@ def test_a_shaped_log_object_is_replayed(make_member: MakeMember) -> None:
     assert read_all(second, "s") == large + b"1;2;"
 
 
+def test_a_log_object_goes_only_once_its_link_is_durable(
+    make_member: MakeMember, storage_url: str
+) -> None:
+    """A link is durable once its folder is synced: the log object it names again must
+    outlive that sync, or a crash could lose both names of an acknowledged append."""
+    events: list[tuple[str, str]] = []
+
+    class Recording(type(open_objects(storage_url))):  # type: ignore[misc]
+        def make_durable(self, key: str) -> None:
+            super().make_durable(key)
+            events.append(("synced", key.rpartition("/seg/")[0]))
+
+        def delete_many(self, keys: list[str]) -> None:
+            events.extend(("deleted", key) for key in keys)
+            super().delete_many(keys)
+
+    store = make_member("m1", Recording(*_arguments(storage_url)))
+    if not store.objects.links_cheaply:
+        pytest.skip("object stores copy: nothing is linked")
+    store.create("s", CreateRequest(TEXT))
+    for _ in range(2):
+        append(store, "s", os.urandom(log.SHAPED_RECORD_BYTES))
+    append(store, "s", b"latest;")  # the log object a fence must find stays
+    assert store.rewrites.rewrite_all(10)
+    with gevent.Timeout(10):
+        while len(names(store.objects, "log/m1")) > 1:  # the release's own collection
+            gevent.sleep(0.01)
+    prefix = store._open("s").prefix
+    assert events == [
+        ("synced", prefix),
+        ("deleted", log_key("m1", 1)),
+        ("deleted", log_key("m1", 2)),
+    ]
+
+
 def test_a_fenced_member_links_nothing_over_its_replayed_records(
     make_member: MakeMember,
 ) -> None:
