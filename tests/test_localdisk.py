@@ -7,6 +7,7 @@ test_durability kills real servers mid-load on the same code.
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import time
@@ -327,18 +328,20 @@ def test_many_objects_are_deleted_while_other_greenlets_run(tmp_path: Path) -> N
     (tmp_path / "log" / "m").mkdir(parents=True)
     for key in keys:
         (tmp_path / key).write_bytes(b"x")  # as a log's flushes leave them, without syncs
-    turns = []
+    turns = itertools.count()
 
     def take_turns() -> None:
+        # A count, not a list: a list grows by millions of entries a second for as long
+        # as the unlinks take.
         while True:
-            turns.append(None)
+            next(turns)
             gevent.sleep(0)
 
     ticker = gevent.spawn(take_turns)
     gevent.sleep(0)
-    before = len(turns)
+    before = next(turns)
     objects.delete_many([*keys, "log/m/never"])
-    ran = len(turns) - before
+    ran = next(turns) - before - 1
     ticker.kill()
     assert objects.list("log/m") == []
     assert ran > 0, "deleting held the hub: no other greenlet ran meanwhile"
