@@ -145,9 +145,9 @@ class ObjectStore(ABC):
 
     def link(self, source: str, key: str) -> None:
         """Create `key` holding what `source` holds (`FileExistsError` if it exists),
-        durable once `make_durable(key)` returns. Here a copy; local disk names the
-        same file again."""
-        self.create(key, self.read(source), verified_on_load=True)
+        durable once `make_durable(key)` returns. Only where `links_cheaply`: elsewhere
+        it would cost what a create does, and nothing calls it."""
+        raise NotImplementedError
 
     @abstractmethod
     def delete(self, key: str) -> None:

@@ -124,7 +124,8 @@ class Rewrites:
 
     def _settle(self, stream: Stream, linked: list[Run]) -> None:
         """The segments linked in one rewrite of `stream` share its folder: one sync
-        makes them durable, and only then may the log objects they came from go."""
+        makes them durable, and only then may the log objects they came from go (if the
+        sync fails, they stay: a replay finds their segments in place)."""
         if linked:
             self.objects.make_durable(stream.segment_key(linked[-1].start))
             for run in linked:
