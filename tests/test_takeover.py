@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 import requests
-from conftest import ProxiedS3, Server, StartServer
+from conftest import ProxiedS3, Server, StartServer, follow_stream
+
+from log import SHAPED_RECORD_BYTES
 
 TEXT = "text/plain"
 LEASE_SECONDS = 1.5
@@ -96,6 +98,35 @@ def test_appends_held_in_the_log_survive_kill_9(
         expected = b"".join(b"%s/%d;" % (path.encode(), seq) for seq in range(3))
         assert read_when_served(node, path) == expected
         assert append(node, path, b"again;", 2) == 204  # the producer's state came back too
+
+
+def test_large_appends_linked_or_only_logged_survive_kill_9(start_server: StartServer) -> None:
+    """On local disk a large append's log object is its segment, linked into place at
+    the rewrite (log.py): kill -9 with some appends linked and the last only logged,
+    and the restart serves each once, its producer state with it."""
+    node = start_server(workers=1, env=NODE_ENV)
+    create(node, "large")
+    chunks = [(b"%04d;" % number) * (SHAPED_RECORD_BYTES // 5 + 1) for number in range(70)]
+    linked = 4 * 1024 * 1024 // len(chunks[0]) + 1  # past 4 MiB: the stream is rewritten
+    for seq, chunk in enumerate(chunks[:linked]):
+        assert append(node, "large", chunk, seq) == 200
+    deadline = time.monotonic() + TAKEOVER_DEADLINE_SECONDS
+    while not segments(node.data_dir):
+        assert time.monotonic() < deadline, "the stream's records were never rewritten"
+        time.sleep(0.1)
+    for seq in range(linked, len(chunks)):
+        assert append(node, "large", chunks[seq], seq) == 200
+    node.kill9()
+    node.start()
+    read_when_served(node, "large")  # once replayed; a read holds 4 MiB at most
+    reads = follow_stream(node.stream_url("large"), max_reads=10, timeout=20)
+    served = b""
+    for answer in reads:
+        served += answer.content
+        if answer.headers.get("Stream-Up-To-Date") == "true":
+            break
+    assert served == b"".join(chunks)
+    assert append(node, "large", chunks[-1], len(chunks) - 1) == 204  # a duplicate
 
 
 def test_a_dead_nodes_appends_are_served_by_another(start_server: StartServer) -> None:
