@@ -86,12 +86,12 @@ class Commits:
         self,
         pieces: Pieces,
         writer_locks: StreamLocks | None,
-        committed: Callable[[Stream, int], None],
+        committed: Callable[[Stream, int, bool], None],
         rewrites: Rewrites,
     ) -> None:
         """`writer_locks` make the processes of one machine that write a stream take
         turns (streamlocks.py); without them a single process pays nothing for it.
-        `committed(stream, appends)` runs after each commit. Streams this process
+        `committed(stream, appends, new_piece)` runs after each commit. Streams this process
         serves alone commit through the member's log, and `rewrites` holds them."""
         self.pieces = pieces
         self.objects = pieces.objects
@@ -181,18 +181,20 @@ class Commits:
             array(POSITION_TYPE, (size,)), array(POSITION_TYPE, _message_ends(0, payload)),
         )  # fmt: skip
         started = time.monotonic()
-        self._log(stream, record)
+        new_piece = self._log(stream, record)
         state.tail = record.end
-        self._written(stream, started, 1)
+        self._written(stream, started, 1, new_piece)
         return AppendResult(stream.info())
 
-    def _written(self, stream: Stream, started: float, appends: int) -> None:
+    def _written(self, stream: Stream, started: float, appends: int, new_piece: bool) -> None:
         """After a commit's write, begun at `started`, is stored: its time (the next
-        linger's measure), readers woken, listeners and counts told."""
+        linger's measure), readers woken, listeners and counts told. `new_piece`: the
+        commit may have added a piece or a producer (a lone one that joined its run did
+        neither)."""
         stream.write_seconds = time.monotonic() - started
         stream.refreshed_at = started  # our write at the tail proves it was the true one
         stream.notify()
-        self.committed(stream, appends)
+        self.committed(stream, appends, new_piece)
 
     def _take_and_commit(self, stream: Stream, waited: bool) -> None:
         # Taken once it is our turn: appends that came while we waited join it.
@@ -258,7 +260,7 @@ class Commits:
                 continue
             except FileNotFoundError as error:  # the stream's directory was deleted under us
                 raise StreamNotFound(f"stream {stream.config.path} was deleted") from error
-            self._written(stream, started, len(batch))
+            self._written(stream, started, len(batch), True)
             break
         _answer(batch, plan)
 
@@ -311,12 +313,13 @@ class Commits:
         ends = (plan.append_ends, plan.message_ends)
         self._log(stream, _record(stream, state, plan.start, state.tail, payload, *ends))
 
-    def _log(self, stream: Stream, record: Record) -> None:
+    def _log(self, stream: Stream, record: Record) -> bool:
         """Commit through the member's log: durable once the log object holding the
-        record is stored (log.py); held in memory until rewritten (rewrites.py)."""
+        record is stored (log.py); held in memory until rewritten (rewrites.py).
+        Whether the record began a piece."""
         stream.raise_if_retired()  # moved while a producer snapshot was written
         # No `stream.creating`: the record goes to the log, not to a segment a watch sees.
-        self.rewrites.hold(stream, record, self.log.write(record))
+        return self.rewrites.hold(stream, record, self.log.write(record))
 
     def _snapshot_producers_if_due(self, stream: Stream, plan: Plan) -> str | None:
         """Write the producer table as a snapshot once the changes since the last one

@@ -56,11 +56,13 @@ class Rewrites:
         self.due = Event()
         self.worker: gevent.Greenlet | None = None
 
-    def hold(self, stream: Stream, record: Record, seq: int) -> None:
-        """A commit is in log object `seq`: hold its record until rewritten."""
+    def hold(self, stream: Stream, record: Record, seq: int) -> bool:
+        """A commit is in log object `seq`: hold its record until rewritten. Whether
+        it began a run, which is a new piece of the stream."""
         runs = stream.runs
         shaped = seq in self.log.shaped
-        if shaped or not runs or not runs[-1].takes(record):
+        began = shaped or not runs or not runs[-1].takes(record)
+        if began:
             run = Run(record.start)
             key = stream.logged_key(run.start)
             self.pieces.hold(key, run)
@@ -76,6 +78,7 @@ class Rewrites:
             self.due.set()
         if self.worker is None:
             self.worker = gevent.spawn(self._rewrite_while_held)
+        return began
 
     def _rewrite_while_held(self) -> None:
         try:

@@ -564,13 +564,22 @@ class StreamStore:
         """Append once durable (commits.py); the stream's sliding TTL is renewed."""
         return self.commits.append(self._open(path, touch=True), request)
 
-    def _committed(self, stream: Stream, appends: int) -> None:
-        """After each commit: listeners, observers, the handle cache's count, housekeeping."""
+    def _committed(self, stream: Stream, appends: int, new_piece: bool) -> None:
+        """After each commit: listeners, observers, the handle cache's count, housekeeping.
+
+        The handle's footprint and compaction's count of unpacked pieces change only
+        with a new piece or producer: over many streams nearly every commit is one
+        append joining its stream's run, and counting anew after each was a measurable
+        part of its cost (bench/README.md, "The store's figures"). A look that found
+        housekeeping busy is made again with the stream's next piece, at the latest the
+        first commit after its run is rewritten. Retention looks after every commit:
+        bytes beyond its limit come with any append."""
         self._announce(stream.info())
         for observe in self.commit_observers:
             observe(appends)
-        self._streams.recount(stream)
-        compaction.maybe_compact(self.pieces, stream)
+        if new_piece:
+            self._streams.recount(stream)
+            compaction.maybe_compact(self.pieces, stream)
         self._schedule_trim(stream)
 
     def _announce(self, info: StreamInfo) -> None:

@@ -40,6 +40,35 @@ def test_small_segments_become_packs_and_originals_go(storage_url: str) -> None:
     assert fresh.head("events").tail == store.head("events").tail
 
 
+def test_a_members_lone_commits_compact_what_its_rewrites_wrote(storage_url: str) -> None:
+    """Served alone, a stream commits each append through the member's log, and only
+    a commit that begins a run looks at compaction (one that joins its run adds no
+    piece): the first after each rewrite."""
+    store = StreamStore(open_objects(storage_url), SETTINGS)
+    store.serves_alone = lambda path: True
+    store.log.begin("m1")
+    expected = []
+    try:
+        store.create("events", CreateRequest(content_type="application/json"))
+        for number in range(24):
+            message = b'{"n":%d}' % number
+            store.append(
+                "events", AppendRequest("application/json", Payload.from_messages([message]))
+            )
+            expected.append(message)
+            if number % 2:  # two commits a run: the first begins it, the second joins
+                assert store.rewrites.rewrite_all(10)
+        deadline = time.monotonic() + 20
+        while not object_names(store, "events", "pack") and time.monotonic() < deadline:
+            gevent.sleep(0.1)
+
+        assert object_names(store, "events", "pack"), "no pack was written"
+        assert read_all(store, "events") == b"[" + b",".join(expected) + b"]"
+    finally:
+        if store.rewrites.worker is not None:
+            store.rewrites.worker.kill()
+
+
 def test_reads_from_any_offset_after_compaction(storage_url: str) -> None:
     """Packs keep where each append ends: a read from inside one starts at its start."""
     store = StreamStore(open_objects(storage_url), SETTINGS)
