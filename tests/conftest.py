@@ -55,6 +55,14 @@ NEEDS_INOTIFY = pytest.mark.skipif(
 )
 
 
+def whole_lines(log: Path) -> list[str]:
+    """The lines of a log that servers append to as it is read. A read may see part of
+    a line being written (the tail of a write that crosses a page comes later): that
+    line waits for the next read."""
+    text = log.read_text()
+    return text[: text.rfind("\n") + 1].splitlines()
+
+
 def find_executable(name: str) -> Path:
     """The executable installed beside this Python (the venv's bin directory)."""
     path = BIN_DIR / name
@@ -269,7 +277,7 @@ class Nginx:
         """
         deadline = time.monotonic() + NGINX_LOG_DEADLINE_SECONDS
         while True:
-            log = (self.base_dir / "access.log").read_text().splitlines()
+            log = whole_lines(self.base_dir / "access.log")
             lines = [line for line in log if naming in line]
             if len(lines) >= count or time.monotonic() > deadline:
                 return lines

@@ -27,7 +27,7 @@ import gevent
 import jwt
 import pytest
 import requests
-from conftest import REPO_DIR, make_server
+from conftest import REPO_DIR, make_server, whole_lines
 
 from localdisk import LocalDisk
 from revocations import PREFIX, Revocations
@@ -166,7 +166,7 @@ def start_logged_server(start_server: StartServer, tmp_path: Path, **options: ob
 
 def logged(tmp_path: Path) -> list[list[str]]:
     """(pid, method, path, status) of each request so far."""
-    return [line.split(" ") for line in (tmp_path / "access.log").read_text().splitlines()]
+    return [line.split(" ") for line in whole_lines(tmp_path / "access.log")]
 
 
 def test_a_revoked_jti_is_refused_on_every_route_by_every_worker(

@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 
 import pytest
 import requests
-from conftest import NEEDS_INOTIFY, commit_put_records, follow_stream
+from conftest import NEEDS_INOTIFY, commit_put_records, follow_stream, whole_lines
 
 if TYPE_CHECKING:
     from conftest import ProxiedS3, Server, StartServer
@@ -135,7 +135,7 @@ class LoggedRequest:
 
 
 def logged_requests(access_log: Path) -> list[LoggedRequest]:
-    return [LoggedRequest(*line.split(" ")) for line in access_log.read_text().splitlines()]
+    return [LoggedRequest(*line.split(" ")) for line in whole_lines(access_log)]
 
 
 def serving_workers(access_log: Path, method: str, path: str) -> Counter[str]:
