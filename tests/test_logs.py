@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 import requests
+from conftest import whole_lines
 
 from auth import mint_token
 from logs import AccessLog, JsonFormatter, utc_time
@@ -195,7 +196,8 @@ def test_gunicorns_own_access_log_keeps_a_decoded_path_inside_one_line(
     forged = f"%0A{requests.utils.quote(FORGED)}"
     assert requests.get(f"{server.url}/v1/stream/a{forged}").status_code == 404
     deadline = time.monotonic() + 10
-    while "forged" not in access_log.read_text() and time.monotonic() < deadline:
+    with_forgery: list[str] = []
+    while not with_forgery and time.monotonic() < deadline:
         time.sleep(0.05)
-    with_forgery = [line for line in access_log.read_text().splitlines() if "forged" in line]
+        with_forgery = [line for line in whole_lines(access_log) if "forged" in line]
     assert with_forgery == [f"GET /v1/stream/a\\n{FORGED} 404"], with_forgery
