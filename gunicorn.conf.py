@@ -11,10 +11,14 @@ import ipaddress
 import os
 import shutil
 import tempfile
+from typing import TYPE_CHECKING
 
 from gunicorn.arbiter import Arbiter
 
 from settings import Settings, SettingsError
+
+if TYPE_CHECKING:
+    from worker import PicoMQWorker
 
 try:
     # Validate in the master, before any worker forks: a typo stops the boot once, clearly.
@@ -101,6 +105,11 @@ def child_exit(server: object, worker: object) -> None:
 def on_exit(server: object) -> None:
     for directory in owned_metrics_directory:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def post_fork(server: Arbiter, worker: "PicoMQWorker") -> None:
+    """In the new worker's process: stop signals are noted until its handlers are set."""
+    worker.note_stops_from_now(server.SIG_QUEUE)
 
 
 def post_worker_init(worker: object) -> None:

@@ -68,7 +68,9 @@ from __future__ import annotations
 import errno
 import functools
 import ipaddress
+import queue
 import re
+import signal
 import socket
 import sys
 import time
@@ -91,6 +93,8 @@ if TYPE_CHECKING:
 
 READ_BUFFER_BYTES = 1024
 PEER_BACKLOG = 2048
+# What gunicorn's worker stops on: SIGTERM gracefully, SIGINT and SIGQUIT at once.
+EARLY_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT)
 # A header line (RFC 9110 5.1, 5.5): a token, a colon, a value without control
 # characters (a lone CR among them: some proxies end a line there), optional whitespace.
 HEADER_LINE = re.compile(
@@ -619,6 +623,7 @@ class PicoMQWorker(GeventPyWSGIWorker):
     wsgi_handler = PicoMQHandler
     # Run once every connection has gone, before the process exits (gunicorn.conf.py).
     before_exit: list[Callable[[], None]]
+    early_stop: int | None = None  # a stop signal that came before gunicorn's handlers
 
     def patch(self) -> None:
         """gevent's sockets, and one more: the peer listener, where the other workers and
@@ -648,6 +653,34 @@ class PicoMQWorker(GeventPyWSGIWorker):
         PicoMQHandler.body_seconds = settings.body_timeout
         EagerSendSocket.write_seconds = settings.write_timeout
         super().init_process()
+
+    def note_stops_from_now(self, master_queue: queue.SimpleQueue) -> None:
+        """Called in the worker's process just after the fork (gunicorn.conf.py's
+        post_fork). Until gunicorn sets the worker's handlers (`init_signals`), a stop
+        signal would go to the master's handler, which the fork copied, and only join
+        the copy of the master's queue: the worker would boot and serve until the
+        master's kill, graceful_timeout after its stop began. From here each is noted,
+        those already in that queue too, and acted on once the handlers are set."""
+        for stop_signal in EARLY_STOP_SIGNALS:
+            signal.signal(stop_signal, self.note_early_stop)
+        while True:  # this process's copy: emptying it leaves the master's as it is
+            try:
+                queued = master_queue.get_nowait()
+            except queue.Empty:
+                return
+            if queued in EARLY_STOP_SIGNALS:
+                self.note_early_stop(queued, None)
+
+    def note_early_stop(self, sig: int, frame: Any) -> None:
+        self.early_stop = self.early_stop or sig
+
+    def init_signals(self) -> None:
+        """gunicorn's handlers, then the stop signal that came before them, if one did."""
+        super().init_signals()
+        if self.early_stop == signal.SIGTERM:
+            self.handle_exit(self.early_stop, None)
+        elif self.early_stop is not None:
+            self.handle_quit(self.early_stop, None)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         """SIGTERM: stop now, not at gunicorn's next look (its loop sleeps a second)."""

@@ -21,6 +21,7 @@ import socket
 import time
 import uuid
 from contextlib import ExitStack
+from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
@@ -126,6 +127,42 @@ def stop_with_connections_open(
     assert json.loads(data.removeprefix("data:"))["upToDate"] is True
 
     assert idle_socket.recv(1024) == b"", "the idle connection was kept open"
+
+
+def children(parent: int) -> set[int]:
+    """The processes whose parent is `parent` (the fourth field of each /proc stat)."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text() if entry.isdigit() else ""
+        except OSError:  # it ended meanwhile
+            continue
+        fields = stat.rpartition(")")[2].split()
+        if fields and int(fields[1]) == parent and fields[0] != "Z":
+            found.add(int(entry))
+    return found
+
+
+def test_a_stop_that_reaches_a_worker_as_it_boots_ends_it(start_server: StartServer) -> None:
+    """gunicorn sets a worker's signal handlers only once it has set itself up. A
+    SIGTERM before then went to the master's handler, which the fork had copied, and
+    was lost: the worker served on until the master killed it, graceful_timeout (75 s)
+    after a stop or reload began."""
+    server = start_server(workers=1)
+    serving = children(server.pid)
+    os.kill(server.pid, signal.SIGTTIN)  # one worker more
+    deadline = time.monotonic() + WAIT_SECONDS
+    while not (booting := children(server.pid) - serving):
+        assert time.monotonic() < deadline, "no worker was added"
+    (worker,) = booting
+    # Once it has logged its boot: a signal in its first microseconds, before Python's
+    # own set-up after the fork, is dropped by Python, as in any forked process.
+    while f"Booting worker with pid: {worker}" not in server.output():
+        assert time.monotonic() < deadline, "the worker did not log its boot"
+    os.kill(worker, signal.SIGTERM)
+    while worker in children(server.pid):
+        assert time.monotonic() < deadline, "the worker did not stop"
+        time.sleep(0.05)
 
 
 def test_a_reload_ends_live_reads_cleanly_and_refuses_no_connection(
