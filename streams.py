@@ -196,9 +196,13 @@ class StreamInfo:
     def at(self, tail: int, closed: bool, earliest: int) -> StreamInfo:
         """This info with another tail, as each commit and each append's answer needs:
         a copy of the fields, three changed (`dataclasses.replace` walks the fields and
-        runs the frozen `__init__`, several times slower)."""
+        runs the frozen `__init__`, several times slower). The fields' dict is copied
+        whole, which clones its table, and then given to the new info: updating an empty
+        one grows it as it fills."""
+        fields = self.__dict__.copy()
+        fields["tail"], fields["closed"], fields["earliest"] = tail, closed, earliest
         info = object.__new__(StreamInfo)
-        info.__dict__.update(self.__dict__, tail=tail, closed=closed, earliest=earliest)
+        object.__setattr__(info, "__dict__", fields)  # frozen: no plain assignment
         return info
 
 

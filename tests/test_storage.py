@@ -16,7 +16,7 @@ import os
 import time
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 
 import fsspec
@@ -60,6 +60,7 @@ from streams import (
     StreamClosed,
     StreamConflict,
     StreamGone,
+    StreamInfo,
     StreamNotFound,
     stream_key,
 )
@@ -146,6 +147,14 @@ def test_bytes_round_trip(make_store: MakeStore) -> None:
         store.read("a/c", None)
     with pytest.raises(StreamNotFound):
         append_text(store, "a/c", b"x")
+
+
+def test_an_info_at_another_tail_is_a_copy_that_leaves_the_first_as_it_was() -> None:
+    first = StreamInfo("p", "i", JSON, 5, False, 60, None, 0, 30, 1000)
+    moved = first.at(9, True, 2)
+    assert moved == replace(first, tail=9, closed=True, earliest=2)
+    assert first == StreamInfo("p", "i", JSON, 5, False, 60, None, 0, 30, 1000)
+    assert moved.at(12, False, 2).tail == 12 and moved.tail == 9
 
 
 def test_reads_are_cut_into_bounded_pieces_of_whole_appends(make_store: MakeStore) -> None:
