@@ -66,13 +66,18 @@ class Run:
         Each commit over many streams adds one: its ends are moved in C-level passes
         written out here, not through `extend_shifted`, a call less each. A run's first
         record (a large batch's run holds only that) needs no move: its ends are copied
-        whole."""
+        whole. Most records over many streams are one append of one message: their one
+        end each is moved by hand, without the passes' iterators."""
         appends, messages, payload = record.append_ends, record.message_ends, record.payload
         length = len(payload)
         self.payload += payload
         if self.end == self.start:
             self.append_ends.extend(appends)
             self.message_ends.extend(messages)
+        elif len(appends) == 1 and len(messages) == 1:
+            shift = self.end - self.start
+            self.append_ends.append(appends[0] + shift)
+            self.message_ends.append(messages[0] + shift)
         else:
             shift = itertools.repeat(self.end - self.start)
             self.append_ends.extend(map(operator.add, appends, shift))

@@ -117,6 +117,23 @@ def test_a_rewrite_keeps_where_each_append_and_message_ends(make_member: MakeMem
     assert read_all(store, "j", offset=8) == b"[[1],2,[2]]"
 
 
+def test_a_run_of_one_message_appends_keeps_where_each_ends(make_member: MakeMember) -> None:
+    """Records of one append and one message join a run their own way (`Run.add`)."""
+    store = make_member("m1")
+    store.create("j", CreateRequest("application/json"))
+    for messages in ([b"0"], [b"1", b"[1]"], [b"2"], [b"3"]):
+        store.append("j", AppendRequest("application/json", Payload.from_messages(messages)))
+    # Held as "0,1,[1],2,3,": one run, each message ending after its comma.
+    assert [run.start for run in store._open("j").runs] == [0]
+    assert read_all(store, "j", offset=8) == b"[2,3]"
+    assert store.rewrites.rewrite_all(10)
+
+    index, _ = store.pieces.read_piece(store._open("j").segment_key(0), whole=True)
+    assert list(index.append_ends) == [2, 8, 10, 12]
+    assert list(index.message_ends) == [2, 4, 8, 10, 12]
+    assert read_all(store, "j", offset=10) == b"[3]"
+
+
 def test_a_held_run_is_read_as_it_grows(make_member: MakeMember) -> None:
     store = make_member("m1")
     store.create("j", CreateRequest("application/json"))
