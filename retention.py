@@ -30,7 +30,7 @@ from segments import CorruptSegment
 
 if TYPE_CHECKING:
     from pieces import Pieces
-    from streams import Stream
+    from streams import Stream, StreamConfig, StreamInfo
 
 # Housekeeping of the store's objects: its warnings carry the store's logger name.
 log = logging.getLogger("picomq.storage")
@@ -41,14 +41,18 @@ PublishTrim = Callable[["Stream", int], bool]
 Rewrite = Callable[["Stream"], None]
 
 
+def retains(limits: StreamConfig | StreamInfo) -> bool:
+    """Whether a stream has a retention setting: only those are ever trimmed."""
+    return limits.retention_age is not None or limits.retention_bytes is not None
+
+
 def schedule_trim(pieces: Pieces, publish: PublishTrim, rewrite: Rewrite, stream: Stream) -> None:
     """Check retention soon, once: after appends, on load, and when data comes of age.
 
     Only streams with a retention setting and data past it get a timer, so idle
     streams with nothing to trim cost nothing.
     """
-    config = stream.config
-    if config.retention_age is None and config.retention_bytes is None:
+    if not retains(stream.config):
         return
     if len(stream.starts) >= 2 or stream.runs:  # a look makes the runs pieces of their own
         trim = functools.partial(_trim, pieces, publish, rewrite, stream)

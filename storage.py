@@ -573,14 +573,18 @@ class StreamStore:
         part of its cost (bench/README.md, "The store's figures"). A look that found
         housekeeping busy is made again with the stream's next piece, at the latest the
         first commit after its run is rewritten. Retention looks after every commit:
-        bytes beyond its limit come with any append."""
-        self._announce(stream.info())
+        bytes beyond its limit come with any append. Whether the stream has a retention
+        setting is read from its info, just built, rather than from its config, which
+        over many streams is no longer in the processor's caches."""
+        info = stream.info()
+        self._announce(info)
         for observe in self.commit_observers:
             observe(appends)
         if new_piece:
             self._streams.recount(stream)
             compaction.maybe_compact(self.pieces, stream)
-        self._schedule_trim(stream)
+        if retention.retains(info):
+            self._schedule_trim(stream)
 
     def _announce(self, info: StreamInfo) -> None:
         """Tell listeners (subscriptions) that a stream was created or grew in this process."""
