@@ -154,11 +154,13 @@ def test_a_stop_that_reaches_a_worker_as_it_boots_ends_it(start_server: StartSer
     deadline = time.monotonic() + WAIT_SECONDS
     while not (booting := children(server.pid) - serving):
         assert time.monotonic() < deadline, "no worker was added"
+        time.sleep(0.005)
     (worker,) = booting
     # Once it has logged its boot: a signal in its first microseconds, before Python's
     # own set-up after the fork, is dropped by Python, as in any forked process.
     while f"Booting worker with pid: {worker}" not in server.output():
         assert time.monotonic() < deadline, "the worker did not log its boot"
+        time.sleep(0.005)
     os.kill(worker, signal.SIGTERM)
     while worker in children(server.pid):
         assert time.monotonic() < deadline, "the worker did not stop"
