@@ -118,16 +118,21 @@ def percentile(values: list[float] | array, fraction: float) -> float:
 
 @contextmanager
 def cpu_use(target: Target, result: Result) -> Iterator[None]:
-    """Adds client_cpu_pct and server_cpu_pct: CPU time over wall time, % of one core."""
-    before = client_cpu_seconds(), target.server.cpu_seconds()
+    """Adds client_cpu_pct and server_cpu_pct: CPU time over wall time, % of one core;
+    and the server's part of it in its own code and in the kernel (server_user_pct,
+    server_system_pct), which tell the interpreter's work from the filesystem's."""
+    client_before, (user_before, system_before) = client_cpu_seconds(), target.server.cpu_times()
     started = time.monotonic()
     try:
         yield
     finally:
         elapsed = time.monotonic() - started
-        client, server = client_cpu_seconds() - before[0], target.server.cpu_seconds() - before[1]
-        result.figures["client_cpu_pct"] = 100 * client / elapsed
-        result.figures["server_cpu_pct"] = 100 * server / elapsed
+        user, system = target.server.cpu_times()
+        user, system = user - user_before, system - system_before
+        result.figures["client_cpu_pct"] = 100 * (client_cpu_seconds() - client_before) / elapsed
+        result.figures["server_cpu_pct"] = 100 * (user + system) / elapsed
+        result.figures["server_user_pct"] = 100 * user / elapsed
+        result.figures["server_system_pct"] = 100 * system / elapsed
 
 
 def client_cpu_seconds() -> float:

@@ -138,6 +138,8 @@ FIGURES = {
     ),
     "ratio": Figure("appends/s over many streams ÷ over one", "{:.2f}"),
     "server_cpu_pct": Figure("server CPU % of a core", "{:.0f}"),
+    "server_user_us": Figure("server CPU µs per append, in its own code", "{:.1f}"),
+    "server_system_us": Figure("server CPU µs per append, in the kernel", "{:.1f}"),
     "client_cpu_pct": Figure("client CPU % of a core", "{:.0f}"),
     "moto_cpu_pct": Figure("moto CPU % of a core", "{:.0f}"),
 }
@@ -147,15 +149,21 @@ FIGURES = {
 SATURATED_CPU_PCT = 90
 
 
-def noting_starvation(
+def with_server_cpu(
     run: Callable[[Target, Options], Result],
 ) -> Callable[[Target, Options], Result]:
     """`run`, with a note when the server did not keep its core busy: the rate is the
-    machine's."""
+    machine's; and the server's CPU time per append, split between its own code and
+    the kernel. The split tells what a filesystem costs (kernel) from what more
+    streams cost the interpreter (bench/README.md, "On a filesystem with a journal")."""
 
     def checked(target: Target, options: Options) -> Result:
         result = run(target, options)
-        used = result.figures.get("server_cpu_pct", 100.0)
+        figures = result.figures
+        appends = figures.get("msgs_per_s") or math.nan  # per second, as the shares are
+        for part in ("user", "system"):
+            figures[f"server_{part}_us"] = figures[f"server_{part}_pct"] * 1e4 / appends
+        used = figures.get("server_cpu_pct", 100.0)
         if used < SATURATED_CPU_PCT:
             result.notes.append(
                 f"the server used {used:.0f} % of its core under wrk: it waited for the"
@@ -170,7 +178,8 @@ DISK_LOADS = {
     load.name: replace(
         load,
         title="local disk: " + load.title.split(") ", 1)[1],
-        run=noting_starvation(load.run),
+        run=with_server_cpu(load.run),
+        figures=(*load.figures, "server_user_us", "server_system_us"),
     )
     for load in LOADS
     if load.name in ("appends-1", "appends-1000")

@@ -72,7 +72,12 @@ class Server(ManagedProcess):
 
     def cpu_seconds(self) -> float:
         """User + system CPU time used so far by the whole process tree."""
-        return sum(read_cpu_seconds(pid) for pid in self.processes())
+        return sum(self.cpu_times())
+
+    def cpu_times(self) -> tuple[float, float]:
+        """User and system CPU time used so far by the whole process tree."""
+        times = [read_cpu_times(pid) for pid in self.processes()]
+        return sum(user for user, _ in times), sum(system for _, system in times)
 
 
 def read_resident_kib(pid: int) -> int:
@@ -90,12 +95,13 @@ def read_status_kib(pid: int, name: str) -> int:
     return 0
 
 
-def read_cpu_seconds(pid: int) -> float:
+def read_cpu_times(pid: int) -> tuple[float, float]:
+    """Its user and system CPU time (utime, stime); none once it is gone."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
+        return 0.0, 0.0
+    return int(fields[11]) / CLOCK_TICKS, int(fields[12]) / CLOCK_TICKS
 
 
 def pinned(core: int | None, command: list[str]) -> list[str]:
