@@ -15,9 +15,17 @@ callgrind hold far fewer appends than at full speed, so they would weigh far mor
 Instructions leave out the kernel's work (a quarter of an append on disk) and what
 cache misses cost, so the ratio of rates is lower than the ratio printed here; runs
 differ by a few per cent, as the log's flushes group commits differently each time.
+`--caches` also simulates this machine's caches (callgrind's `--cache-sim`: a 48 KiB
+first level and, as the last, one core's 1 MiB second level) and prints the data
+misses per append of that last level: the reads and writes that wait for the shared
+third level or for memory. Over many streams an append touches its stream's objects
+after a thousand other appends have, and those misses are most of what its extra
+time is; their cost in time depends on what the machine's other tenants do, so the
+count is the steadier figure. It takes about twice as long.
 `--revision REV` (repeatable) measures another git revision, as many_streams.py does.
 
     .venv/bin/python bench/server_instructions.py --revision e13c0b1 --revision .  # 10 min
+    .venv/bin/python bench/server_instructions.py --caches  # 10 min
 """
 
 from __future__ import annotations
@@ -38,7 +46,11 @@ CONNECTIONS = 64
 STOP_SECONDS = 120.0
 APPEND_TIMEOUT_SECONDS = 60.0
 SETTINGS = {"PICOMQ_REWRITE_SECONDS": "3600"}
-SUMMARY = re.compile(rb"^summary: (\d+)$", re.MULTILINE)
+READY_SECONDS = 300.0  # a worker under valgrind boots slowly, slower with caches simulated
+CACHES = ("--cache-sim=yes", "--I1=32768,8,64", "--D1=49152,12,64", "--LL=1048576,8,64")
+EVENTS = re.compile(rb"^events: (.+)$", re.MULTILINE)
+SUMMARY = re.compile(rb"^summary: (.+)$", re.MULTILINE)
+LAST_LEVEL_DATA_MISSES = ("DLmr", "DLmw")
 JSON = {"Content-Type": "application/json"}
 BODY = b'{"event":"progress","n":1}'
 
@@ -50,6 +62,9 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--streams", type=int, default=1000, help="streams of the many case")
     parser.add_argument("--appends", type=int, default=1000, help="appends of the shorter run")
     parser.add_argument("--revision", action="append", help="a git revision ('.': working tree)")
+    parser.add_argument(
+        "--caches", action="store_true", help="also count misses of simulated caches"
+    )
     arguments = parser.parse_args()
     if not 1 <= arguments.appends <= 10_000 or not 2 <= arguments.streams <= 10_000:
         parser.error("need 1 <= --appends <= 10,000 and 2 <= --streams <= 10,000")
@@ -65,25 +80,32 @@ def main() -> None:
                 ab.checked_out(None if revision == WORKING_TREE else revision)
             )
             per_append = {
-                streams: instructions_per_append(tree, streams, arguments.appends)
+                streams: counts_per_append(tree, streams, arguments.appends, arguments.caches)
                 for streams in (1, arguments.streams)
             }
             one, many = per_append[1], per_append[arguments.streams]
-            print(
-                f"{revision_label(revision)}: {one:,.0f} instructions per append over 1"
-                f" stream, {many:,.0f} over {arguments.streams:,};"
-                f" ratio {one / many:.3f}"
+            line = (
+                f"{revision_label(revision)}: {one['Ir']:,.0f} instructions per append over 1"
+                f" stream, {many['Ir']:,.0f} over {arguments.streams:,};"
+                f" ratio {one['Ir'] / many['Ir']:.3f}"
             )
+            if arguments.caches:
+                misses = [
+                    sum(counts[event] for event in LAST_LEVEL_DATA_MISSES) for counts in (one, many)
+                ]
+                line += f"; last-level data misses per append {misses[0]:,.0f} and {misses[1]:,.0f}"
+            print(line)
 
 
-def instructions_per_append(tree: Path, streams: int, appends: int) -> float:
-    shorter = worker_instructions(tree, streams, appends)
-    longer = worker_instructions(tree, streams, 4 * appends)
-    return (longer - shorter) / (3 * appends)
+def counts_per_append(tree: Path, streams: int, appends: int, caches: bool) -> dict[str, float]:
+    """callgrind's counts per append (`Ir`: instructions; the misses with `caches`)."""
+    shorter = worker_counts(tree, streams, appends, caches)
+    longer = worker_counts(tree, streams, 4 * appends, caches)
+    return {event: (longer[event] - shorter[event]) / (3 * appends) for event in longer}
 
 
-def worker_instructions(tree: Path, streams: int, appends: int) -> int:
-    """The worker's instructions from its start to its exit, with `appends` appends."""
+def worker_counts(tree: Path, streams: int, appends: int, caches: bool) -> dict[str, int]:
+    """The worker's counts from its start to its exit, with `appends` appends."""
     with tempfile.TemporaryDirectory(prefix="picomq-instructions-") as work:
         work_dir = Path(work)
         server = servers.picomq(work_dir, None, SETTINGS, tree)
@@ -91,8 +113,10 @@ def worker_instructions(tree: Path, streams: int, appends: int) -> int:
             "valgrind",
             "--tool=callgrind",
             f"--callgrind-out-file={work_dir}/callgrind.%p",
+            *(CACHES if caches else ()),
             *server.command,
         ]
+        server.ready_deadline_seconds = READY_SECONDS
         server.stop_deadline_seconds = STOP_SECONDS  # the worker writes its counts as it exits
         server.start()
         try:
@@ -100,8 +124,9 @@ def worker_instructions(tree: Path, streams: int, appends: int) -> int:
             asyncio.run(append(server.port, streams, appends))
         finally:
             server.stop()
-        [summary] = SUMMARY.findall((work_dir / f"callgrind.{worker}").read_bytes())
-        return int(summary)
+        counts = (work_dir / f"callgrind.{worker}").read_bytes()
+        [events], [summary] = EVENTS.findall(counts), SUMMARY.findall(counts)
+        return dict(zip(events.decode().split(), map(int, summary.split()), strict=True))
 
 
 async def append(port: int, streams: int, appends: int) -> None:

@@ -61,6 +61,7 @@ class ManagedProcess:
     # A graceful stop ends live reads at once (worker.py), so it is quick; past this
     # deadline the process group is killed.
     stop_deadline_seconds: float = 30.0
+    ready_deadline_seconds: float = READY_DEADLINE_SECONDS  # longer under valgrind
     process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     @property
@@ -85,7 +86,7 @@ class ManagedProcess:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        deadline = time.monotonic() + READY_DEADLINE_SECONDS
+        deadline = time.monotonic() + self.ready_deadline_seconds
         while not answers_http(self.port, self.readiness_path):
             if self.process.poll() is not None:
                 self.process = None
@@ -95,7 +96,7 @@ class ManagedProcess:
             if time.monotonic() > deadline:
                 self.kill9()
                 raise ProcessFailed(
-                    f"{self.name} did not answer HTTP within {READY_DEADLINE_SECONDS} s\n"
+                    f"{self.name} did not answer HTTP within {self.ready_deadline_seconds} s\n"
                     f"{self.output_tail()}"
                 )
             time.sleep(0.05)
