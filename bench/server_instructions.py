@@ -21,11 +21,11 @@ misses per append of that last level: the reads and writes that wait for the sha
 third level or for memory. Over many streams an append touches its stream's objects
 after a thousand other appends have, and those misses are most of what its extra
 time is; their cost in time depends on what the machine's other tenants do, so the
-count is the steadier figure. It takes about twice as long.
+count is the steadier figure.
 `--revision REV` (repeatable) measures another git revision, as many_streams.py does.
 
     .venv/bin/python bench/server_instructions.py --revision e13c0b1 --revision .  # 10 min
-    .venv/bin/python bench/server_instructions.py --caches  # 10 min
+    .venv/bin/python bench/server_instructions.py --caches  # 7 min
 """
 
 from __future__ import annotations
